@@ -1,0 +1,54 @@
+"""glmport.core: the backend-neutral op interface.
+
+Op specs and their shared validation (``specs``, ``validate``), the error hierarchy
+(``errors``), the canonical quantised formats (``formats``), the backend contract and
+registry (``registry``), selection (``selection``), dispatch with shadow checks
+(``dispatch``, ``shadow``), tolerances (``tolerance``) and the ``torch.library``
+registration of every op (``library``). Imports no backend module: backends are
+found through the registry when first used.
+"""
+
+from . import library
+from .errors import (
+    BackendUnavailableError,
+    ConfigError,
+    GlmportError,
+    OpInputError,
+    UnknownBackendError,
+    UnsupportedError,
+)
+from .registry import (
+    Availability,
+    Backend,
+    BackendManifest,
+    Capability,
+    backend_names,
+    get_backend,
+    register_backend,
+    unregister_backend,
+)
+from .selection import current_settings, resolve, use_backend
+from .specs import OP_NAMES, SPECS
+
+__all__ = [
+    "OP_NAMES",
+    "SPECS",
+    "Availability",
+    "Backend",
+    "BackendManifest",
+    "BackendUnavailableError",
+    "Capability",
+    "ConfigError",
+    "GlmportError",
+    "OpInputError",
+    "UnknownBackendError",
+    "UnsupportedError",
+    "backend_names",
+    "current_settings",
+    "get_backend",
+    "library",
+    "register_backend",
+    "resolve",
+    "unregister_backend",
+    "use_backend",
+]

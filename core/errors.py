@@ -1,0 +1,56 @@
+"""The glmport error hierarchy.
+
+Every error names what was wrong: the op, the argument, what was expected and what
+came, and where it helps, how to fix it. All derive from :class:`GlmportError` and
+also from the closest builtin (``ValueError``, ``NotImplementedError``, ``RuntimeError``)
+so generic ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class GlmportError(Exception):
+    """Base class of every error glmport raises on purpose."""
+
+
+class OpInputError(GlmportError, ValueError):
+    """An op was called with an input that breaks its contract.
+
+    Attributes:
+        op: the op name, e.g. ``"sparse_attention"``.
+        arg: the offending argument, e.g. ``"indices"``.
+        expected: what the contract asks for.
+        got: what came.
+    """
+
+    def __init__(self, op: str, arg: str, expected: str, got: str, hint: str = "") -> None:
+        self.op, self.arg, self.expected, self.got = op, arg, expected, got
+        msg = f"glmport.ops.{op}: argument '{arg}' must be {expected}, got {got}"
+        super().__init__(f"{msg}. {hint}" if hint else msg)
+
+
+class UnsupportedError(GlmportError, NotImplementedError):
+    """A valid input that the selected backend declares it cannot take."""
+
+
+class ConfigError(GlmportError, ValueError):
+    """A malformed setting: an environment variable or an argument of the selection API."""
+
+
+class BackendUnavailableError(GlmportError, RuntimeError):
+    """A named backend cannot be used here; the message says why and lists the choices."""
+
+
+class UnknownBackendError(BackendUnavailableError):
+    """A backend name that no built-in and no installed plug-in provides."""
+
+    def __init__(self, name: str, valid: Iterable[str], source: str = "") -> None:
+        self.name = name
+        self.valid = sorted(valid)
+        where = f" (from {source})" if source else ""
+        super().__init__(
+            f"unknown glmport backend {name!r}{where}; valid backends: "
+            f"{', '.join(self.valid)}, or 'auto'"
+        )

@@ -1,0 +1,34 @@
+"""Registers every op spec as a ``torch.library`` custom op ``torch.ops.glmport.<name>``:
+one kernel for all devices (it dispatches to the selected glmport backend), a fake
+kernel for torch.compile / torch.export, and autograd where the spec names
+differentiable inputs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import dispatch
+from .specs import SPECS, OpSpec
+
+NAMESPACE = "glmport"
+
+
+def _define(spec: OpSpec) -> torch.library.CustomOpDef:
+    def kernel(*args):
+        return dispatch.run(spec.name, args)
+
+    kernel.__name__ = spec.name
+    op = torch.library.custom_op(
+        f"{NAMESPACE}::{spec.name}", kernel, mutates_args=(), schema=spec.schema
+    )
+    op.register_fake(lambda *args: dispatch.fake(spec.name, args))
+    if spec.differentiable:
+        op.register_autograd(
+            functools.partial(dispatch.backward, spec.name), setup_context=dispatch.setup_context
+        )
+    return op
+
+
+CUSTOM_OPS: dict[str, torch.library.CustomOpDef] = {name: _define(s) for name, s in SPECS.items()}

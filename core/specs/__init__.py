@@ -1,0 +1,38 @@
+"""Op specs: the contract every backend implements.
+
+Each op is declared once as an :class:`OpSpec` (schema, checks, fake kernel, the
+features a backend's capabilities are matched against, which inputs are
+differentiable). The family modules hold the specs and the documented public calls;
+``glmport.core.library`` turns each spec into ``torch.ops.glmport.<name>``.
+"""
+
+from __future__ import annotations
+
+from .attention import SPARSE_ATTENTION
+from .base import Features, OpSpec
+from .indexer import INDEXER_LOGITS, LIGHTNING_INDEXER
+from .logprobs import TOKEN_LOGPROBS
+from .moe import GROUPED_GEMM, MOE_COMBINE, MOE_DISPATCH, MOE_GATE
+from .norm_rope import RMS_NORM, ROPE
+from .quant import QUANT_GEMM, QUANTIZE
+
+SPECS: dict[str, OpSpec] = {
+    s.name: s
+    for s in (
+        LIGHTNING_INDEXER,
+        INDEXER_LOGITS,
+        SPARSE_ATTENTION,
+        MOE_GATE,
+        MOE_DISPATCH,
+        MOE_COMBINE,
+        GROUPED_GEMM,
+        QUANTIZE,
+        QUANT_GEMM,
+        RMS_NORM,
+        ROPE,
+        TOKEN_LOGPROBS,
+    )
+}
+OP_NAMES: tuple[str, ...] = tuple(SPECS)
+
+__all__ = ["OP_NAMES", "SPECS", "Features", "OpSpec"]

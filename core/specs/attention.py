@@ -1,0 +1,73 @@
+"""Sparse attention over selected key slots (DSA's main attention; dense is a special case)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
+from .base import Features, OpSpec, invoke
+
+
+def _check(c: Checker, q, k, v, indices, scale, *, values):
+    c.tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    t, h, dk = q.shape
+    c.tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
+    n, hkv = k.shape[0], k.shape[1]
+    c.tensor("k", k, shape=(("N", n), ("Hkv", hkv), ("Dk", dk)))
+    c.tensor("v", v, shape=(("N", n), ("Hkv", hkv), None), dtypes=FLOAT_DTYPES)
+    c.same_dtype(q=q, k=k, v=v)
+    if hkv < 1 or h % hkv != 0:
+        c.fail("k", f"a head count Hkv that divides H={h}", f"Hkv={hkv}")
+    c.tensor("indices", indices, ndim=2, dtypes=INDEX_DTYPES)
+    c.tensor("indices", indices, shape=(("T", t), None))
+    c.positive_float("scale", scale)
+    c.same_device(q=q, k=k, v=v, indices=indices)
+    if values:
+        c.in_range("indices", indices, -1, n)
+
+
+def _fake(q, k, v, indices, scale):
+    t, h = q.shape[0], q.shape[1]
+    return q.new_empty((t, h, v.shape[-1])), q.new_empty((t, h), dtype=torch.float32)
+
+
+SPARSE_ATTENTION = OpSpec(
+    name="sparse_attention",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor indices, float scale) "
+    "-> (Tensor out, Tensor lse)",
+    check=_check,
+    fake=_fake,
+    features=lambda q, *_: Features(dtype=q.dtype, head_dim=q.shape[-1]),
+    differentiable=("q", "k", "v"),
+)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query over its selected key slots only.
+
+    ``out[t, h] = sum_j p[t, h, j] * v[indices[t, j], h // (H // Hkv)]`` with
+    ``p = softmax_j(scale * q[t, h] . k[indices[t, j], ...])`` over the valid entries
+    (``indices >= 0``); ``-1`` entries are ignored. A slot listed twice counts twice.
+
+    Args:
+        q: ``[T, H, Dk]`` fp32 | bf16 | fp16.
+        k: ``[N, Hkv, Dk]`` same dtype, ``H % Hkv == 0`` (absorbed MLA: ``Hkv = 1``,
+            ``Dk = 576`` = latent 512 + rope 64).
+        v: ``[N, Hkv, Dv]`` same dtype; may be a view of ``k`` (absorbed MLA:
+            ``k[..., :512]``).
+        indices: ``[T, K]`` int32 | int64 physical slot ids in ``[-1, N)``, shared by
+            all heads (dense causal attention is ``indices = all earlier slots``).
+        scale: softmax scale, finite and ``> 0``.
+
+    Returns:
+        out: ``[T, H, Dv]`` in ``q``'s dtype; ``0`` for a row with no valid slot.
+        lse: ``[T, H]`` fp32 natural-log log-sum-exp of the scaled scores; ``-inf``
+        for a row with no valid slot.
+    """
+    return invoke(SPARSE_ATTENTION, q, k, v, indices, scale)

@@ -1,0 +1,72 @@
+"""The :class:`OpSpec` record every op of the interface is declared with."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import GlmportError
+from ..validate import Checker
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a call asks of a backend, matched against its declared capabilities."""
+
+    dtype: torch.dtype
+    head_dim: int | None = None
+    scheme: str | None = None
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the interface.
+
+    ``check(c, *args, values=...)`` raises :class:`~glmport.core.errors.OpInputError`
+    on a bad call; ``fake(*args)`` returns empty outputs of the right shapes and dtypes;
+    ``features(*args)`` says what the call needs (dtype, head dim, scheme);
+    ``differentiable`` names the inputs that receive gradients (empty: no autograd);
+    ``backward`` optionally replaces the default vjp-of-the-reference backward with
+    closed-form gradients: ``backward(inputs, grad_outputs) -> grads per input``;
+    ``tie_outputs`` are integer outputs whose order may legally differ between
+    backends when scores tie (compare them through the scores instead).
+    """
+
+    name: str
+    schema: str
+    check: Callable[..., None]
+    fake: Callable[..., object]
+    features: Callable[..., Features]
+    differentiable: tuple[str, ...] = ()
+    backward: Callable[..., tuple] | None = None
+    tie_outputs: tuple[int, ...] = ()
+    arg_names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        args = self.schema[1 : self.schema.index(") ->")]
+        names = tuple(re.sub(r"=.*$", "", a.strip()).split()[-1] for a in args.split(","))
+        object.__setattr__(self, "arg_names", names)
+
+    def validate(self, args: tuple, *, values: bool) -> None:
+        """Raise ``OpInputError`` if ``args`` (in schema order) break the contract."""
+        self.check(Checker(self.name), *args, values=values)
+
+
+def invoke(spec: OpSpec, *args: object):
+    """Call ``torch.ops.glmport.<spec.name>`` with ``args`` in schema order.
+
+    The dispatcher rejects arguments of the wrong Python type before glmport's checks
+    run; in that case the spec's checks are run here so the error names the op and
+    the argument in glmport's terms.
+    """
+    op = getattr(torch.ops.glmport, spec.name)
+    try:
+        return op(*args)
+    except (TypeError, RuntimeError) as err:
+        if isinstance(err, GlmportError):
+            raise
+        spec.validate(args, values=False)
+        raise

@@ -1,0 +1,57 @@
+"""Token log-probabilities and entropies from hidden states: the RL hot path."""
+
+from __future__ import annotations
+
+import torch
+
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
+from .base import Features, OpSpec, invoke
+
+
+def _check(c: Checker, hidden, lm_head, targets, temperature, *, values):
+    c.tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
+    t, d = hidden.shape
+    c.tensor("lm_head", lm_head, shape=(None, ("D", d)), dtypes=(hidden.dtype,))
+    c.tensor("targets", targets, shape=(("T", t),), dtypes=INDEX_DTYPES)
+    c.positive_float("temperature", temperature)
+    c.same_device(hidden=hidden, lm_head=lm_head, targets=targets)
+    if values:
+        c.in_range("targets", targets, 0, lm_head.shape[0])
+
+
+def _fake(hidden, lm_head, targets, temperature=1.0):
+    t = hidden.shape[0]
+    return hidden.new_empty((t,), dtype=torch.float32), hidden.new_empty((t,), dtype=torch.float32)
+
+
+TOKEN_LOGPROBS = OpSpec(
+    name="token_logprobs",
+    schema="(Tensor hidden, Tensor lm_head, Tensor targets, float temperature=1.0) "
+    "-> (Tensor logp, Tensor entropy)",
+    check=_check,
+    fake=_fake,
+    features=lambda hidden, *_: Features(dtype=hidden.dtype, head_dim=hidden.shape[-1]),
+    differentiable=("hidden", "lm_head"),
+)
+
+
+def token_logprobs(
+    hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token and the entropy of each distribution.
+
+    ``z = hidden @ lm_head.T / temperature`` in fp32; ``logp[t] = log_softmax(z[t])
+    [targets[t]]``; ``entropy[t] = -sum_v p log p``. Backends must not materialise a
+    full fp32 ``[T, V]`` for large ``V`` (the reference may).
+
+    Args:
+        hidden: ``[T, D]`` fp32 | bf16 | fp16 final hidden states (after the last norm).
+        lm_head: ``[V, D]`` same dtype.
+        targets: ``[T]`` int32 | int64 in ``[0, V)``.
+        temperature: finite, ``> 0`` (the rollout sampling temperature).
+
+    Returns:
+        logp: ``[T]`` fp32; entropy: ``[T]`` fp32. Differentiable in ``hidden`` and
+        ``lm_head``.
+    """
+    return invoke(TOKEN_LOGPROBS, hidden, lm_head, targets, temperature)

@@ -1,0 +1,138 @@
+"""Input checks shared by every backend: one place that decides what a valid call is.
+
+Checks come in two levels. Metadata checks (ranks, shapes, dtypes, devices, scalar
+arguments) run everywhere, fake tensors included. Value checks (index ranges, key
+ranges, finite positive scales, NaN where it would silently corrupt a result) read
+tensor data, so they run only on real tensors and can be turned off with
+``GLMPORT_VALIDATE=meta`` where the device sync they cost matters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .errors import OpInputError
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def describe(t: object) -> str:
+    """A short description of a value for error messages."""
+    if isinstance(t, torch.Tensor):
+        return f"a tensor of shape {list(t.shape)}, dtype {_dtype_name(t.dtype)} on {t.device}"
+    return f"{type(t).__name__} {t!r}"
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return " | ".join(_dtype_name(d) for d in dtypes)
+
+
+class Checker:
+    """Check helpers bound to one op, so every message names the op."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+
+    def fail(self, arg: str, expected: str, got: str, hint: str = "") -> None:
+        raise OpInputError(self.op, arg, expected, got, hint)
+
+    def tensor(
+        self,
+        arg: str,
+        t: object,
+        *,
+        shape: Sequence[object] | None = None,
+        ndim: int | None = None,
+        dtypes: Sequence[torch.dtype] | None = None,
+    ) -> torch.Tensor:
+        """Check ``t`` is a tensor with the given rank / dtype / shape.
+
+        ``shape`` entries are ints, ``None`` (any size), or a ``(name, size)`` pair
+        whose name appears in the message (e.g. ``("T", q.shape[0])``).
+        """
+        if not isinstance(t, torch.Tensor):
+            self.fail(arg, "a torch.Tensor", describe(t))
+        if dtypes is not None and t.dtype not in dtypes:
+            self.fail(arg, f"of dtype {_names(dtypes)}", describe(t))
+        if shape is not None:
+            ndim = len(shape)
+        if ndim is not None and t.dim() != ndim:
+            self.fail(arg, f"{ndim}-D{_shape_text(shape)}", describe(t))
+        if shape is not None:
+            for axis, want in enumerate(shape):
+                size = want[1] if isinstance(want, tuple) else want
+                if size is not None and t.shape[axis] != size:
+                    self.fail(arg, f"of shape {_shape_text(shape).strip()}", describe(t))
+        return t
+
+    def same_device(self, **tensors: torch.Tensor | None) -> None:
+        """All given tensors (``None`` ignored) must live on one device."""
+        present = {k: v for k, v in tensors.items() if v is not None}
+        first_name, first = next(iter(present.items()))
+        for name, t in present.items():
+            if t.device != first.device:
+                self.fail(
+                    name,
+                    f"on the same device as '{first_name}' ({first.device})",
+                    describe(t),
+                )
+
+    def same_dtype(self, **tensors: torch.Tensor) -> None:
+        first_name, first = next(iter(tensors.items()))
+        for name, t in tensors.items():
+            if t.dtype != first.dtype:
+                self.fail(name, f"of the same dtype as '{first_name}' ({first.dtype})", describe(t))
+
+    def int_at_least(self, arg: str, value: object, low: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            self.fail(arg, f"an int >= {low}", describe(value))
+
+    def positive_float(self, arg: str, value: object) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value <= 0:
+            self.fail(arg, "a finite float > 0", describe(value))
+
+    def choice(self, arg: str, value: object, choices: Iterable[str]) -> None:
+        choices = list(choices)
+        if value not in choices:
+            self.fail(arg, f"one of {', '.join(repr(c) for c in choices)}", describe(value))
+
+    # -- value checks: real tensors only --------------------------------------------
+
+    def in_range(self, arg: str, t: torch.Tensor, low: int, high: int) -> None:
+        """Every element of integer tensor ``t`` lies in ``[low, high)``."""
+        if t.numel() == 0:
+            return
+        lo, hi = int(t.min()), int(t.max())
+        if lo < low or hi >= high:
+            bad = lo if lo < low else hi
+            self.fail(arg, f"values in [{low}, {high})", f"a value {bad}")
+
+    def finite_positive(self, arg: str, t: torch.Tensor) -> None:
+        if t.numel() and not bool(torch.isfinite(t).all() and (t > 0).all()):
+            bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[0].item()
+            self.fail(arg, "finite and > 0 everywhere (scales)", f"a value {bad}")
+
+    def finite(self, arg: str, t: torch.Tensor) -> None:
+        if t.numel() and not bool(torch.isfinite(t.float()).all()):
+            self.fail(arg, "finite everywhere (no NaN or inf)", "a non-finite value")
+
+
+def _shape_text(shape: Sequence[object] | None) -> str:
+    if shape is None:
+        return ""
+    parts = []
+    for want in shape:
+        if isinstance(want, tuple):
+            parts.append(f"{want[0]}={want[1]}")
+        else:
+            parts.append("*" if want is None else str(want))
+    return f" [{', '.join(parts)}]"

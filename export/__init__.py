@@ -1,0 +1,1 @@
+"""glmport.export: ONNX and TVM export of the ops and the model. Not built yet."""
