@@ -50,7 +50,8 @@ def fake(name: str, args: tuple) -> object:
     return spec.fake(*args)
 
 
-def setup_context(ctx, inputs: tuple, output: object) -> None:
+def setup_context(name: str, ctx, inputs: tuple, output: object) -> None:
+    inputs = SPECS[name].complete(tuple(inputs), {})
     ctx.save_for_backward(*(x for x in inputs if isinstance(x, torch.Tensor)))
     ctx.non_tensors = tuple(None if isinstance(x, torch.Tensor) else x for x in inputs)
     ctx.is_tensor = tuple(isinstance(x, torch.Tensor) for x in inputs)

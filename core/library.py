@@ -16,17 +16,18 @@ NAMESPACE = "glmport"
 
 
 def _define(spec: OpSpec) -> torch.library.CustomOpDef:
-    def kernel(*args):
-        return dispatch.run(spec.name, args)
+    def kernel(*args, **kwargs):
+        return dispatch.run(spec.name, spec.complete(args, kwargs))
 
     kernel.__name__ = spec.name
     op = torch.library.custom_op(
         f"{NAMESPACE}::{spec.name}", kernel, mutates_args=(), schema=spec.schema
     )
-    op.register_fake(lambda *args: dispatch.fake(spec.name, args))
+    op.register_fake(lambda *args, **kw: dispatch.fake(spec.name, spec.complete(args, kw)))
     if spec.differentiable:
         op.register_autograd(
-            functools.partial(dispatch.backward, spec.name), setup_context=dispatch.setup_context
+            functools.partial(dispatch.backward, spec.name),
+            setup_context=functools.partial(dispatch.setup_context, spec.name),
         )
     return op
 

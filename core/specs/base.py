@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,11 +43,19 @@ class OpSpec:
     backward: Callable[..., tuple] | None = None
     tie_outputs: tuple[int, ...] = ()
     arg_names: tuple[str, ...] = field(init=False)
+    defaults: dict[str, object] = field(init=False)
 
     def __post_init__(self) -> None:
-        args = self.schema[1 : self.schema.index(") ->")]
-        names = tuple(re.sub(r"=.*$", "", a.strip()).split()[-1] for a in args.split(","))
-        object.__setattr__(self, "arg_names", names)
+        parsed = torch._C.parse_schema(f"glmport::{self.name}{self.schema}")
+        object.__setattr__(self, "arg_names", tuple(a.name for a in parsed.arguments))
+        defaults = {a.name: a.default_value for a in parsed.arguments if a.has_default_value()}
+        object.__setattr__(self, "defaults", defaults)
+
+    def complete(self, args: tuple, kwargs: dict) -> tuple:
+        """All arguments in schema order: the dispatcher drops trailing ones that equal
+        their defaults before calling a Python kernel, so fill them back in."""
+        given = dict(zip(self.arg_names, args, strict=False)) | kwargs
+        return tuple(given[n] if n in given else self.defaults[n] for n in self.arg_names)
 
     def validate(self, args: tuple, *, values: bool) -> None:
         """Raise ``OpInputError`` if ``args`` (in schema order) break the contract."""
