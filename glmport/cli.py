@@ -1,25 +1,17 @@
-"""The ``glmport`` command line: ``glmport info [--json]``."""
+"""The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
+from glmport.core.environment import versions
 from glmport.core.errors import GlmportError
 
 EXIT_CONFIG = 2
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def collect_info() -> dict:
@@ -60,16 +52,9 @@ def collect_info() -> dict:
     for op in OP_NAMES:
         res = resolve(op, settings)
         ops[op] = {"backend": res.backend, "chain": list(res.chain), "device_type": res.device_type}
-    cann = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH")
     return {
         "glmport": glmport.__version__,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "triton": _version("triton"),
-            "torch_npu": _version("torch-npu"),
-            "cann": cann,
-        },
+        "versions": versions(),
         "environment": {var: os.environ.get(var) for var in _ENV_VARS},
         "selected_backend": primary,
         "device": settings.device or ("cpu" if primary == "cpu" else None),
@@ -137,6 +122,49 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    import pytest
+
+    from glmport.conformance import plugin, suite
+    from glmport.core.registry import REGISTRY
+    from glmport.core.selection import parse_op_overrides, use_backend
+
+    if args.backend != "auto":
+        REGISTRY.get(args.backend, "--backend")  # unknown: an error listing the valid names
+    if args.ops:
+        parse_op_overrides(",".join(f"{op}=cpu" for op in args.ops.split(",")), "--ops")
+    with use_backend(
+        None if args.backend == "auto" else args.backend, emulate=args.emulate or None
+    ):
+        pass  # an unavailable backend still runs: its checks are reported as skipped
+    pytest_args = [
+        suite.__file__,
+        "-c",
+        os.devnull,  # the caller's pytest configuration must not change the suite
+        "--rootdir",
+        os.getcwd(),
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfE",
+        "--glmport-backend",
+        args.backend,
+        "--glmport-report-dir",
+        args.report_dir,
+        "-n",
+        args.workers,
+    ]
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        pytest_args += ["-p", plugin.__name__, "-p", "xdist.plugin"]
+    if args.emulate:
+        pytest_args.append("--glmport-emulate")
+    if args.full:
+        pytest_args.append("--glmport-full")
+    if args.ops:
+        pytest_args += ["--glmport-ops", args.ops]
+    return int(pytest.main(pytest_args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glmport",
@@ -147,6 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="backends, versions, and where each op runs")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
+
+    conf = sub.add_parser(
+        "conformance",
+        help="judge a backend against the float64 reference; writes conformance.json/.md",
+        description="Run the shared conformance suite on a backend (quick mode by default) "
+        "and write conformance.json and conformance.md. Exit 0 only if every check "
+        "passed, was unsupported by the backend's manifest, or was skipped, and at "
+        "least one passed.",
+    )
+    conf.add_argument("--backend", default=os.environ.get("GLMPORT_BACKEND") or "auto")
+    conf.add_argument("--emulate", action="store_true", help="run a vendor backend on the CPU")
+    conf.add_argument("--full", action="store_true", help="full mode: larger GLM-5 shapes too")
+    conf.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
+    conf.add_argument("-n", dest="workers", default="auto", help="pytest-xdist workers (0: none)")
+    conf.add_argument("--report-dir", default="conformance-report")
+    conf.set_defaults(func=_cmd_conformance)
     return parser
 
 

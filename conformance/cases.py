@@ -1,0 +1,537 @@
+"""The conformance cases, as data: per op, shape families x dtypes, each a seeded
+builder of the op's arguments (schema order, CPU tensors).
+
+Families: ``tiny``; ``glm5`` (GLM-5's real head counts and widths where affordable:
+absorbed attention with 64 heads, Dk 576 / Dv 512; indexer 32 x 128 with topk 2048;
+MoE 256 experts top-8, reduced width); ``edge`` (T=1, N < topk, empty key ranges,
+every index -1, ragged ranges of packed sequences, topk not a multiple of 64, paged
+slot ids, tied scores). ``full_only`` cases run only with ``--full``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from glmport.core.formats import FLOAT_WEIGHT, FP8_DTYPE, SCHEMES, quantize_tensor
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+Builder = Callable[[torch.Generator], tuple]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op call to judge against the reference.
+
+    ``dtype`` is the input precision under test (``float8_e4m3fn`` for fp8 inputs);
+    ``scheme`` names a quant scheme or format where the op takes one; ``judge`` picks
+    the comparison (see :mod:`glmport.conformance.judges`).
+    """
+
+    op: str
+    name: str
+    family: str
+    dtype: torch.dtype
+    build: Builder = field(compare=False, repr=False)
+    params: tuple[tuple[str, object], ...] = ()
+    judge: str = "close"
+    scheme: str | None = None
+    full_only: bool = False
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        extra = f"-{self.scheme}" if self.scheme else ""
+        return f"{self.op}-{self.name}-{dtype}{extra}"
+
+    def args(self) -> tuple:
+        gen = torch.Generator().manual_seed(self.seed)
+        return self.build(gen)
+
+
+def _randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _causal_ranges(t: int, n: int, starts: list[int] | None = None):
+    """Query ``i`` of a sequence whose last ``t`` tokens are queries over ``n`` slots."""
+    end = torch.arange(n - t + 1, n + 1, dtype=torch.int32)
+    start = (
+        torch.zeros(t, dtype=torch.int32)
+        if starts is None
+        else torch.tensor(starts, dtype=torch.int32)
+    )
+    return start, end
+
+
+# -- attention ---------------------------------------------------------------------
+
+
+def _attention(t, h, hkv, dk, dv, n, k, *, absorbed=False, pattern="random"):
+    def build(gen, dtype):
+        q = _randn(gen, t, h, dk, dtype=dtype)
+        kv = _randn(gen, n, hkv, dk, dtype=dtype)
+        v = kv[..., :dv] if absorbed else _randn(gen, n, hkv, dv, dtype=dtype)
+        if pattern == "all_minus_one":
+            idx = torch.full((t, k), -1, dtype=torch.int32)
+        elif pattern == "causal":  # dense causal attention as indices
+            slots = torch.arange(k)[None, :].expand(t, k)
+            limit = torch.arange(n - t + 1, n + 1)[:, None]
+            idx = torch.where(slots < limit, slots, -1).to(torch.int32)
+        else:
+            idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)]).to(
+                torch.int32
+            )
+            if pattern == "ragged":  # row i keeps a different number of valid slots
+                keep = torch.arange(k)[None, :] < torch.linspace(0, k, t).long()[:, None]
+                idx = torch.where(keep, idx, -1)
+            elif pattern == "padded":  # N < topk: the tail is -1
+                idx = torch.cat((idx, torch.full((t, k), -1, dtype=torch.int32)), dim=1)
+        return q, kv, v, idx, dk**-0.5
+
+    return build
+
+
+def attention_cases() -> Iterator[Case]:
+    shapes = [
+        ("tiny", "tiny", dict(t=5, h=4, hkv=1, dk=32, dv=16, n=40, k=8), False),
+        ("tiny_gqa", "tiny", dict(t=4, h=8, hkv=2, dk=32, dv=32, n=30, k=12), False),
+        (
+            "glm5_absorbed",
+            "glm5",
+            dict(t=2, h=64, hkv=1, dk=576, dv=512, n=4096, k=2048, absorbed=True),
+            False,
+        ),
+        (
+            "glm5_absorbed_long",
+            "glm5",
+            dict(t=4, h=64, hkv=1, dk=576, dv=512, n=8192, k=2048, absorbed=True),
+            True,
+        ),
+        ("t1", "edge", dict(t=1, h=4, hkv=1, dk=64, dv=32, n=17, k=5), False),
+        (
+            "n_lt_topk",
+            "edge",
+            dict(t=3, h=4, hkv=1, dk=32, dv=16, n=6, k=6, pattern="padded"),
+            False,
+        ),
+        (
+            "all_minus_one",
+            "edge",
+            dict(t=3, h=4, hkv=1, dk=32, dv=16, n=9, k=4, pattern="all_minus_one"),
+            False,
+        ),
+        (
+            "ragged",
+            "edge",
+            dict(t=6, h=4, hkv=1, dk=32, dv=16, n=64, k=10, pattern="ragged"),
+            False,
+        ),
+        ("topk_100", "edge", dict(t=3, h=4, hkv=1, dk=32, dv=16, n=300, k=100), False),
+        ("paged_slots", "edge", dict(t=3, h=4, hkv=1, dk=32, dv=16, n=5000, k=32), False),
+        (
+            "dense_causal",
+            "edge",
+            dict(t=6, h=4, hkv=1, dk=32, dv=16, n=20, k=20, pattern="causal"),
+            False,
+        ),
+    ]
+    for name, family, p, full in shapes:
+        for dtype in FLOATS:
+            make = _attention(**p)
+            yield Case(
+                "sparse_attention",
+                name,
+                family,
+                dtype,
+                build=lambda g, make=make, dtype=dtype: make(g, dtype),
+                params=tuple(sorted(p.items())),
+                full_only=full,
+            )
+
+
+# -- indexer -----------------------------------------------------------------------
+
+
+def _indexer(t, hi, di, n, topk, *, ranges="causal", ties=False, fp8=False, logits=False):
+    def build(gen, dtype):
+        q = _randn(gen, t, hi, di)
+        k = _randn(gen, n, di)
+        if ties:  # every key slot repeated: pairs of exactly equal scores
+            k = k[torch.arange(n) // 2]
+        w = _randn(gen, t, hi) * hi**-0.5 * di**-0.5
+        if ranges == "causal":
+            start, end = _causal_ranges(t, n)
+        elif ranges == "packed":  # two sequences packed back to back, each causal
+            half = t // 2
+            s1, e1 = _causal_ranges(half, n // 2)
+            s2, e2 = _causal_ranges(t - half, n)
+            start = torch.cat((s1, torch.full_like(s2, n // 2)))
+            end = torch.cat((e1, e2))
+        elif ranges == "empty_row":
+            start, end = _causal_ranges(t, n)
+            start[0] = end[0] = 3
+        else:
+            start, end = torch.zeros(t, dtype=torch.int32), torch.full((t,), n, dtype=torch.int32)
+        if fp8:
+            qq, qs = quantize_tensor(q.reshape(t * hi, di), "fp8_group", di)
+            kq, ks = quantize_tensor(k, "fp8_group", di)
+            scales = (qs.reshape(t, hi), ks.reshape(n))
+            q, k = qq.reshape(t, hi, di), kq
+        else:
+            q, k, scales = q.to(dtype), k.to(dtype), (None, None)
+        head = (q, k, w, start, end)
+        return (*head, *scales) if logits else (*head, topk, *scales)
+
+    return build
+
+
+def indexer_cases() -> Iterator[Case]:
+    shapes = [
+        ("tiny", "tiny", dict(t=6, hi=4, di=32, n=50, topk=8)),
+        ("glm5", "glm5", dict(t=4, hi=32, di=128, n=4096, topk=2048)),
+        ("glm5_long", "glm5", dict(t=8, hi=32, di=128, n=8192, topk=2048)),
+        ("t1", "edge", dict(t=1, hi=4, di=32, n=20, topk=8)),
+        ("n_lt_topk", "edge", dict(t=5, hi=4, di=32, n=12, topk=16)),
+        ("empty_range", "edge", dict(t=4, hi=4, di=32, n=30, topk=8, ranges="empty_row")),
+        ("packed_ragged", "edge", dict(t=8, hi=4, di=32, n=64, topk=12, ranges="packed")),
+        ("topk_100", "edge", dict(t=3, hi=4, di=32, n=300, topk=100, ranges="full")),
+        ("ties", "edge", dict(t=4, hi=4, di=32, n=40, topk=7, ranges="full", ties=True)),
+    ]
+    for name, family, p in shapes:
+        full = name.endswith("_long")
+        for dtype in FLOATS:
+            make = _indexer(**p)
+            yield Case(
+                "lightning_indexer",
+                name,
+                family,
+                dtype,
+                build=lambda g, make=make, dtype=dtype: make(g, dtype),
+                params=tuple(sorted(p.items())),
+                judge="indexer",
+                full_only=full,
+            )
+        if family != "glm5" or not full:
+            make = _indexer(**p, fp8=True)
+            yield Case(
+                "lightning_indexer",
+                name,
+                family,
+                FP8_DTYPE,
+                build=lambda g, make=make: make(g, torch.float32),
+                params=tuple(sorted(p.items())),
+                judge="indexer",
+            )
+    for name, family, p in [
+        shapes[0],
+        shapes[5],
+        shapes[6],
+        ("glm5", "glm5", dict(t=4, hi=32, di=128, n=2048, topk=1)),
+    ]:
+        p = {k: v for k, v in p.items() if k != "topk"}
+        for dtype in (*FLOATS, FP8_DTYPE):
+            make = _indexer(**p, topk=0, fp8=dtype == FP8_DTYPE, logits=True)
+            yield Case(
+                "indexer_logits",
+                name,
+                family,
+                dtype,
+                build=lambda g, make=make, dtype=dtype: make(
+                    g, dtype if dtype in FLOATS else torch.float32
+                ),
+                params=tuple(sorted(p.items())),
+                judge="logits",
+            )
+
+
+# -- MoE ---------------------------------------------------------------------------
+
+
+def _gate(t, e, top_k, n_group=1, topk_group=1, score_func="sigmoid", bias=True, ties=False):
+    def build(gen):
+        logits = _randn(gen, t, e, scale=2.0)
+        if ties:  # experts come in identical pairs
+            logits = logits[:, torch.arange(e) // 2]
+        b = _randn(gen, e, scale=0.1) if bias else None
+        return logits, b, top_k, n_group, topk_group, 2.5, True, score_func
+
+    return build
+
+
+def moe_cases() -> Iterator[Case]:
+    gates = [
+        ("tiny", "tiny", dict(t=8, e=16, top_k=4)),
+        ("grouped", "tiny", dict(t=8, e=32, top_k=8, n_group=4, topk_group=2)),
+        ("softmax_nobias", "tiny", dict(t=8, e=16, top_k=2, score_func="softmax", bias=False)),
+        ("glm5", "glm5", dict(t=64, e=256, top_k=8)),
+        ("t1", "edge", dict(t=1, e=16, top_k=4)),
+        ("ties", "edge", dict(t=8, e=16, top_k=3, ties=True)),
+    ]
+    for name, family, p in gates:
+        yield Case(
+            "moe_gate",
+            name,
+            family,
+            torch.float32,
+            build=_gate(**p),
+            params=tuple(sorted(p.items())),
+            judge="gate",
+        )
+
+    def routing(t, k, e, d):
+        def build(gen, dtype):
+            x = _randn(gen, t, d, dtype=dtype)
+            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(
+                torch.int32
+            )
+            return x, ids, e
+
+        return build
+
+    routes = [
+        ("tiny", "tiny", dict(t=6, k=2, e=4, d=16)),
+        ("glm5", "glm5", dict(t=128, k=8, e=256, d=64)),
+        ("t1", "edge", dict(t=1, k=8, e=256, d=16)),
+    ]
+    for name, family, p in routes:
+        for dtype in FLOATS:
+            make = routing(**p)
+            yield Case(
+                "moe_dispatch",
+                name,
+                family,
+                dtype,
+                build=lambda g, make=make, dtype=dtype: make(g, dtype),
+                params=tuple(sorted(p.items())),
+                judge="exact",
+            )
+
+            def combine(g, dtype=dtype, p=p):
+                rows = p["t"] * p["k"]
+                y = _randn(g, rows, p["d"], dtype=dtype)
+                src = torch.randperm(rows, generator=g).to(torch.int32)
+                return y, src, torch.rand(p["t"], p["k"], generator=g)
+
+            yield Case(
+                "moe_combine", name, family, dtype, build=combine, params=tuple(sorted(p.items()))
+            )
+    yield from _grouped_cases()
+
+
+def _offsets(gen, m, e, empty=()):
+    counts = torch.zeros(e, dtype=torch.long)
+    live = [i for i in range(e) if i not in empty]
+    picks = torch.randint(0, len(live), (m,), generator=gen)
+    for p in picks.tolist():
+        counts[live[p]] += 1
+    return torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))).to(torch.int32)
+
+
+def _grouped(m, e, n, k, scheme=FLOAT_WEIGHT, group_size=128, empty=()):
+    def build(gen, dtype):
+        x = _randn(gen, m, k, dtype=dtype)
+        w = _randn(gen, e, n, k, scale=k**-0.5)
+        offsets = _offsets(gen, m, e, empty)
+        if scheme == FLOAT_WEIGHT:
+            return x, w.to(dtype), offsets, None, scheme, group_size
+        fmt = SCHEMES[scheme].weight.name
+        size = SCHEMES[scheme].fixed_group_size or group_size
+        packed = [quantize_tensor(w[i], fmt, size) for i in range(e)]
+        wq = torch.stack([p[0] for p in packed])
+        ws = torch.stack([p[1] for p in packed])
+        return x, wq, offsets, ws, scheme, group_size
+
+    return build
+
+
+def _grouped_cases() -> Iterator[Case]:
+    shapes = [
+        ("tiny", "tiny", dict(m=20, e=4, n=16, k=64)),
+        ("empty_experts", "edge", dict(m=12, e=6, n=16, k=64, empty=(0, 3, 5))),
+        ("glm5_reduced", "glm5", dict(m=512, e=256, n=64, k=256)),
+    ]
+    for name, family, p in shapes:
+        for dtype in FLOATS:
+            make = _grouped(**p)
+            yield Case(
+                "grouped_gemm",
+                name,
+                family,
+                dtype,
+                build=lambda g, make=make, dtype=dtype: make(g, dtype),
+                params=tuple(sorted(p.items())),
+                judge="gemm",
+            )
+        for scheme in SCHEMES:
+            make = _grouped(**p, scheme=scheme, group_size=32)
+            yield Case(
+                "grouped_gemm",
+                name,
+                family,
+                torch.bfloat16,
+                build=lambda g, make=make: make(g, torch.bfloat16),
+                scheme=scheme,
+                params=tuple(sorted(p.items())),
+                judge="gemm",
+            )
+
+
+# -- quantisation ------------------------------------------------------------------
+
+
+def quant_cases() -> Iterator[Case]:
+    from glmport.core.formats import FORMATS
+
+    for fmt in FORMATS:
+        for name, family, (r, c), gs in [
+            ("tiny", "tiny", (8, 64), 32),
+            ("ragged_groups", "edge", (5, 200), 128),
+            ("glm5", "glm5", (256, 2048), 128),
+        ]:
+            if fmt == "int4_group" and c % gs:
+                continue
+            for dtype in FLOATS:
+                yield Case(
+                    "quantize",
+                    name,
+                    family,
+                    dtype,
+                    build=lambda g, r=r, c=c, dtype=dtype, fmt=fmt, gs=gs: (
+                        _randn(g, r, c, dtype=dtype),
+                        fmt,
+                        gs,
+                    ),
+                    params=(("cols", c), ("group_size", gs), ("rows", r)),
+                    judge="quantize",
+                    scheme=fmt,
+                )
+    for scheme in SCHEMES:
+        for name, family, (m, n, k), gs in [
+            ("tiny", "tiny", (4, 16, 64), 32),
+            ("m1", "edge", (1, 32, 256), 64),
+            ("k_not_128", "edge", (3, 24, 192), 64),
+            ("glm5", "glm5", (16, 512, 2048), 128),
+        ]:
+            for dtype in FLOATS:
+                yield Case(
+                    "quant_gemm",
+                    name,
+                    family,
+                    dtype,
+                    build=_quant_gemm(m, n, k, scheme, gs, dtype),
+                    params=(("group_size", gs), ("k", k), ("m", m), ("n", n)),
+                    judge="gemm",
+                    scheme=scheme,
+                )
+        yield Case(
+            "quant_gemm",
+            "qat",
+            "tiny",
+            torch.float32,
+            build=_quant_gemm(4, 16, 128, scheme, 32, torch.float32, qat=True),
+            params=(("group_size", 32), ("k", 128), ("m", 4), ("n", 16)),
+            judge="gemm",
+            scheme=scheme,
+        )
+
+
+def _quant_gemm(m, n, k, scheme, gs, dtype, qat=False):
+    def build(gen):
+        x = _randn(gen, m, k, dtype=dtype)
+        w = _randn(gen, n, k, scale=k**-0.5)
+        if qat:
+            return x, w.to(dtype), None, scheme, gs
+        s = SCHEMES[scheme]
+        wq, ws = quantize_tensor(w, s.weight.name, s.fixed_group_size or gs)
+        return x, wq, ws, scheme, gs
+
+    return build
+
+
+# -- norm, rope, log-probs ---------------------------------------------------------
+
+
+def misc_cases() -> Iterator[Case]:
+    for name, family, shape in [
+        ("tiny", "tiny", (5, 32)),
+        ("glm5", "glm5", (8, 6144)),
+        ("t1_3d", "edge", (1, 4, 512)),
+    ]:
+        for dtype in FLOATS:
+            yield Case(
+                "rms_norm",
+                name,
+                family,
+                dtype,
+                build=lambda g, shape=shape, dtype=dtype: (
+                    _randn(g, *shape, dtype=dtype),
+                    (1 + _randn(g, shape[-1], scale=0.1)).to(dtype),
+                    1e-5,
+                ),
+                params=(("shape", shape),),
+            )
+    for interleaved in (True, False):
+        for name, family, shape in [
+            ("tiny", "tiny", (6, 2, 16)),
+            ("glm5", "glm5", (16, 64, 64)),
+            ("t1_2d", "edge", (1, 64)),
+        ]:
+            for dtype in FLOATS:
+
+                def build(g, shape=shape, dtype=dtype, interleaved=interleaved):
+                    t, d = shape[0], shape[-1]
+                    pos = torch.arange(t, dtype=torch.float64)[:, None] + 1000
+                    freq = 1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+                    ang = pos * freq
+                    return (
+                        _randn(g, *shape, dtype=dtype),
+                        ang.cos().float(),
+                        ang.sin().float(),
+                        interleaved,
+                    )
+
+                yield Case(
+                    "rope",
+                    f"{name}_{'interleaved' if interleaved else 'half'}",
+                    family,
+                    dtype,
+                    build=build,
+                    params=(("interleaved", interleaved), ("shape", shape)),
+                )
+    for name, family, (t, d, v), temp, full in [
+        ("tiny", "tiny", (6, 32, 100), 1.0, False),
+        ("glm5_reduced", "glm5", (16, 256, 32768), 0.7, False),
+        ("glm5_vocab", "glm5", (8, 512, 154880), 1.0, True),
+        ("t1", "edge", (1, 32, 50), 0.6, False),
+    ]:
+        for dtype in FLOATS:
+            yield Case(
+                "token_logprobs",
+                name,
+                family,
+                dtype,
+                build=lambda g, t=t, d=d, v=v, temp=temp, dtype=dtype: (
+                    _randn(g, t, d, dtype=dtype),
+                    _randn(g, v, d, scale=d**-0.5, dtype=dtype),
+                    torch.randint(0, v, (t,), generator=g),
+                    temp,
+                ),
+                params=(("d", d), ("t", t), ("temperature", temp), ("v", v)),
+                full_only=full,
+            )
+
+
+def all_cases(*, full: bool = False, ops: tuple[str, ...] | None = None) -> list[Case]:
+    """Every value case of the suite for the chosen mode and ops."""
+    cases = [
+        *attention_cases(),
+        *indexer_cases(),
+        *moe_cases(),
+        *quant_cases(),
+        *misc_cases(),
+    ]
+    return [c for c in cases if (full or not c.full_only) and (ops is None or c.op in ops)]

@@ -1,0 +1,231 @@
+"""How an op's outputs are judged against the float64 reference.
+
+Each judge takes the case's arguments, the backend's outputs and the reference's
+outputs (float64 where floating) and returns a :class:`Verdict`. Tolerances come
+from :mod:`glmport.core.tolerance`, keyed by op and dtype, never by vendor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glmport.core.formats import FLOAT_WEIGHT, FP8_DTYPE, dequantize_weight
+from glmport.core.tolerance import Tolerance, compare, tolerance
+
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    tolerance: dict[str, float] = field(default_factory=dict)
+
+
+def _tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _tol_dict(tol: Tolerance, **extra: float) -> dict[str, float]:
+    return {"max_rel": tol.max_rel, "mean_rel": tol.mean_rel, **extra}
+
+
+def close(op, dtype, args, outs, refs) -> Verdict:
+    """Floating outputs within the dtype's relative tolerance (``-inf`` must match
+    exactly); integer outputs equal."""
+    tol = tolerance(op, dtype)
+    worst = {"max_rel": 0.0, "mean_rel": 0.0}
+    for i, (o, r) in enumerate(zip(_tuple(outs), _tuple(refs), strict=True)):
+        if tuple(o.shape) != tuple(r.shape):
+            return Verdict(False, f"output {i} has shape {list(o.shape)}, expected {list(r.shape)}")
+        if not o.is_floating_point():
+            if not torch.equal(o.long(), r.long()):
+                bad = int((o.long() != r.long()).sum())
+                return Verdict(False, f"integer output {i} differs in {bad} of {o.numel()} entries")
+            continue
+        cmp = compare(o, r, tol)
+        worst = {k: max(worst[k], getattr(cmp, k)) for k in worst}
+        if not cmp.ok:
+            return Verdict(
+                False,
+                f"output {i}: max|err|/max|ref| {cmp.max_rel:.3g}, mean {cmp.mean_rel:.3g} "
+                f"(tolerance {tol.max_rel:.3g} / {tol.mean_rel:.3g}; inf/nan must match)",
+                {"max_rel": cmp.max_rel, "mean_rel": cmp.mean_rel},
+                _tol_dict(tol),
+            )
+    return Verdict(True, "", worst, _tol_dict(tol))
+
+
+def exact(op, dtype, args, outs, refs) -> Verdict:
+    """Every output bit-identical in value (a permutation copies, it does not round)."""
+    for i, (o, r) in enumerate(zip(_tuple(outs), _tuple(refs), strict=True)):
+        if tuple(o.shape) != tuple(r.shape) or not torch.equal(o.double(), r.double()):
+            return Verdict(False, f"output {i} is not identical to the reference")
+    return Verdict(True, "", {"max_rel": 0.0})
+
+
+def gemm(op, dtype, args, outs, refs) -> Verdict:
+    """Relative tolerance plus an absolute term for float32 summation over the reduction
+    length: ``eps32 * K * mean|x| * mean|w|`` (the forward error bound of a dot product)."""
+    x, w = args[0], args[1]
+    w_scale, scheme = args[2 if op == "quant_gemm" else 3], args[3 if op == "quant_gemm" else 4]
+    k = x.shape[1]
+    if scheme == FLOAT_WEIGHT:
+        wf = w.double()
+    elif w.dim() == 3:
+        gs = args[5]
+        wf = torch.stack(
+            [
+                dequantize_weight(w[e], None if w_scale is None else w_scale[e], scheme, gs)
+                for e in range(w.shape[0])
+            ]
+        )
+    else:
+        wf = dequantize_weight(w, w_scale, scheme, args[4])
+    atol = FP32_EPS * k * float(x.double().abs().mean()) * float(wf.double().abs().mean())
+    tol = tolerance(op, dtype)
+    (o,), (r,) = _tuple(outs), _tuple(refs)
+    if tuple(o.shape) != tuple(r.shape):
+        return Verdict(False, f"output has shape {list(o.shape)}, expected {list(r.shape)}")
+    if not torch.isfinite(o).all():
+        return Verdict(False, "output has non-finite values")
+    err = (o.double() - r.double()).abs()
+    scale = float(r.double().abs().max().clamp_min(1e-30))
+    max_rel = float(err.max()) / scale if err.numel() else 0.0
+    bound = tol.max_rel * scale + atol
+    metrics = {"max_rel": max_rel, "max_abs": float(err.max()) if err.numel() else 0.0}
+    tol_d = _tol_dict(tol, abs_k=atol)
+    if err.numel() and float(err.max()) > bound:
+        return Verdict(
+            False,
+            f"max|err| {float(err.max()):.3g} > {bound:.3g} "
+            f"(rel {tol.max_rel:.3g} of max|ref| + K-scaled {atol:.3g})",
+            metrics,
+            tol_d,
+        )
+    return Verdict(True, "", metrics, tol_d)
+
+
+def quantize(op, dtype, args, outs, refs) -> Verdict:
+    """Codes bit-exact (fp8 compared as bytes), scales equal: the formats are definitions."""
+    (q, s), (rq, rs) = outs, refs
+    if q.dtype != rq.dtype or tuple(q.shape) != tuple(rq.shape):
+        return Verdict(
+            False, f"codes are {q.dtype} {list(q.shape)}, expected {rq.dtype} {list(rq.shape)}"
+        )
+    as_bits = (lambda t: t.view(torch.uint8)) if q.dtype == FP8_DTYPE else (lambda t: t)
+    bad = int((as_bits(q) != as_bits(rq)).sum())
+    if bad:
+        return Verdict(
+            False,
+            f"{bad} of {q.numel()} codes differ from the canonical format",
+            {"codes_differ": bad},
+        )
+    cmp = compare(s, rs, Tolerance(1e-6, 1e-7))
+    if not cmp.ok:
+        return Verdict(False, f"scales differ: rel {cmp.max_rel:.3g}", {"scale_rel": cmp.max_rel})
+    return Verdict(True, "", {"codes_differ": 0, "scale_rel": cmp.max_rel})
+
+
+def indexer(op, dtype, args, outs, refs) -> Verdict:
+    """Tie-safe top-k: valid, unique, in-range indices, ``-1`` exactly when fewer keys
+    are valid; every chosen key scores at least the reference's k-th best (minus the
+    tolerance); returned scores close to the reference scores of the chosen keys.
+    ``refs`` here is the reference's full ``[T, N]`` score matrix."""
+    (idx, sc), ref = outs, refs
+    k_start, k_end, topk = args[3].long(), args[4].long(), args[5]
+    tol = tolerance(op, dtype)
+    finite = ref[torch.isfinite(ref)]
+    scale = float(finite.abs().max()) if finite.numel() else 1.0
+    slack = tol.max_rel * scale
+    idx, sc = idx.long().cpu(), sc.double().cpu()
+    if tuple(idx.shape) != (ref.shape[0], topk) or tuple(sc.shape) != (ref.shape[0], topk):
+        return Verdict(
+            False,
+            f"outputs have shapes {list(idx.shape)} / {list(sc.shape)}, "
+            f"expected [{ref.shape[0]}, {topk}]",
+        )
+    worst = 0.0
+    for t in range(ref.shape[0]):
+        count = min(topk, int(k_end[t] - k_start[t]))
+        chosen, pad = idx[t, :count], idx[t, count:]
+        if (pad != -1).any() or (sc[t, count:] != float("-inf")).any():
+            return Verdict(False, f"query {t}: expected -1 / -inf after {count} valid keys")
+        if ((chosen < k_start[t]) | (chosen >= k_end[t])).any():
+            return Verdict(
+                False, f"query {t}: an index outside [{int(k_start[t])}, {int(k_end[t])})"
+            )
+        if chosen.unique().numel() != count:
+            return Verdict(False, f"query {t}: repeated indices")
+        if count == 0:
+            continue
+        kth = torch.sort(ref[t], descending=True).values[count - 1]
+        got = ref[t, chosen]
+        if (got < kth - slack).any():
+            return Verdict(
+                False,
+                f"query {t}: chose a key scoring {float(got.min()):.4g} "
+                f"below the k-th best {float(kth):.4g}",
+            )
+        err = float((sc[t, :count] - got).abs().max()) / scale
+        worst = max(worst, err)
+        if err > tol.max_rel:
+            return Verdict(
+                False,
+                f"query {t}: scores off by {err:.3g} of max|score| (tolerance {tol.max_rel:.3g})",
+                {"max_rel": err},
+                _tol_dict(tol),
+            )
+        if (sc[t, 1:count] > sc[t, : count - 1] + slack).any():
+            return Verdict(False, f"query {t}: indices are not ordered best first")
+    return Verdict(True, "", {"max_rel": worst}, _tol_dict(tol))
+
+
+def gate(op, dtype, args, outs, refs) -> Verdict:
+    """Tie-safe routing: the chosen experts' choice scores match the reference's
+    choice scores as sorted vectors (tie-swaps allowed), ids unique and in range, and
+    the weights equal the documented formula on the backend's own choice."""
+    logits, bias, top_k, _, _, scaling, norm, score_func = args
+    (w, ids), (_, ref_ids) = outs, refs
+    lf = logits.double()
+    s = torch.sigmoid(lf) if score_func == "sigmoid" else torch.softmax(lf, dim=-1)
+    choice = s if bias is None else s + bias.double()
+    ids = ids.long().cpu()
+    if tuple(ids.shape) != tuple(ref_ids.shape):
+        return Verdict(False, f"ids have shape {list(ids.shape)}, expected {list(ref_ids.shape)}")
+    if ((ids < 0) | (ids >= logits.shape[1])).any():
+        return Verdict(False, "an expert id out of range")
+    if any(row.unique().numel() != top_k for row in ids):
+        return Verdict(False, "an expert chosen twice for one token")
+    tol = tolerance(op, dtype)
+    mine = torch.sort(choice.gather(1, ids), dim=1).values
+    theirs = torch.sort(choice.gather(1, ref_ids.long()), dim=1).values
+    if ((mine - theirs).abs() > tol.max_rel * float(choice.abs().max())).any():
+        return Verdict(False, "chose different experts than the reference (beyond ties)")
+    want = s.gather(1, ids)
+    if norm:
+        want = want / (want.sum(dim=-1, keepdim=True) + 1e-20)
+    want = want * scaling
+    cmp = compare(w.double().cpu(), want, tol)
+    if not cmp.ok:
+        return Verdict(
+            False,
+            f"weights off by {cmp.max_rel:.3g} (tolerance {tol.max_rel:.3g})",
+            {"max_rel": cmp.max_rel},
+            _tol_dict(tol),
+        )
+    return Verdict(True, "", {"max_rel": cmp.max_rel}, _tol_dict(tol))
+
+
+JUDGES = {
+    "close": close,
+    "logits": close,
+    "exact": exact,
+    "gemm": gemm,
+    "quantize": quantize,
+    "indexer": indexer,
+    "gate": gate,
+}

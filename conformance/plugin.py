@@ -1,0 +1,143 @@
+"""The pytest plugin behind ``glmport conformance`` (registered as a ``pytest11`` entry
+point, so ``pytest --glmport-backend X`` works in any environment with glmport).
+
+Options: ``--glmport-backend`` (default: ``GLMPORT_BACKEND``, else auto),
+``--glmport-emulate``, ``--glmport-full``, ``--glmport-ops a,b``,
+``--glmport-report-dir D`` (default ``conformance-report``). With pytest-xdist, the
+workers run checks and the controller gathers their records, prints the summary and
+writes the reports.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from glmport.core.specs import OP_NAMES
+
+DEFAULT_REPORT_DIR = "conformance-report"
+
+
+@dataclass(frozen=True)
+class SuiteSettings:
+    backend: str
+    emulate: bool
+    full: bool
+    ops: tuple[str, ...] | None
+    device: str
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("glmport", "glmport conformance suite")
+    group.addoption(
+        "--glmport-backend",
+        default=None,
+        help="backend to judge (default: GLMPORT_BACKEND, else auto)",
+    )
+    group.addoption(
+        "--glmport-emulate", action="store_true", help="run a vendor backend on the CPU"
+    )
+    group.addoption(
+        "--glmport-full", action="store_true", help="full mode: the larger GLM-5 shapes too"
+    )
+    group.addoption(
+        "--glmport-ops", default=None, help="comma-separated ops to check (default: all)"
+    )
+    group.addoption(
+        "--glmport-report-dir", default=DEFAULT_REPORT_DIR, help="where conformance.json/.md go"
+    )
+
+
+def _settings(config: pytest.Config) -> SuiteSettings:
+    from glmport.core.registry import ANY_DEVICE, REGISTRY
+    from glmport.core.selection import current_settings, primary_backend, use_backend
+
+    ops = config.getoption("--glmport-ops")
+    if ops:
+        ops = tuple(o.strip() for o in ops.split(",") if o.strip())
+        unknown = [o for o in ops if o not in OP_NAMES]
+        if unknown:
+            raise pytest.UsageError(
+                f"--glmport-ops: unknown ops {unknown}; ops are {', '.join(OP_NAMES)}"
+            )
+    emulate = config.getoption("--glmport-emulate") or current_settings().emulate
+    backend = config.getoption("--glmport-backend") or os.environ.get("GLMPORT_BACKEND") or "auto"
+    if backend == "auto":
+        with use_backend(emulate=emulate):
+            backend = primary_backend()
+    REGISTRY.get(backend)  # an unknown name fails here, listing the valid ones
+    dev_type = REGISTRY.get(backend).device_type(emulate)
+    device = current_settings().device or ("cpu" if dev_type == ANY_DEVICE else dev_type)
+    return SuiteSettings(backend, emulate, config.getoption("--glmport-full"), ops or None, device)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "glmport: a glmport conformance check")
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_Collector(config), "glmport-conformance-collector")
+
+
+@pytest.fixture(scope="session")
+def glmport_settings(request: pytest.FixtureRequest) -> SuiteSettings:
+    return _settings(request.config)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "glmport_check" not in metafunc.fixturenames:
+        return
+    from glmport.conformance.runner import suite_checks
+
+    s = _settings(metafunc.config)
+    checks = suite_checks(full=s.full, ops=s.ops)
+    metafunc.parametrize("glmport_check", checks, ids=[c.id for c in checks])
+
+
+class _Collector:
+    """Lives on the controller: gathers records, reports at the end."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.records: list[dict] = []
+        self.report: dict | None = None
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call" and not (report.when == "setup" and report.skipped):
+            return
+        for key, value in report.user_properties:
+            if key == "glmport":
+                self.records.append(value)
+
+    @pytest.hookimpl
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if not self.records:
+            return
+        from glmport.conformance.report import build_report, write_reports
+
+        s = _settings(self.config)
+        self.report = build_report(
+            self.records, backend=s.backend, full=s.full, emulate=s.emulate, ops=s.ops
+        )
+        self.paths = write_reports(self.report, self.config.getoption("--glmport-report-dir"))
+        if self.report["summary"]["pass"] == 0 and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # nothing ran: never a silent pass
+
+    @pytest.hookimpl
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.report is None:
+            return
+        from glmport.conformance.report import table_lines, verdict_line
+
+        tr = terminalreporter
+        tr.section("glmport conformance")
+        for line in table_lines(self.report):
+            tr.write_line(line)
+        tr.write_line("")
+        tr.write_line(verdict_line(self.report), bold=True)
+        if self.report["summary"]["pass"] == 0:
+            tr.write_line(
+                "nothing passed: is the backend available here? (see the skip reasons)", red=True
+            )
+        tr.write_line(f"reports: {self.paths[0]} and {self.paths[1]}")
