@@ -214,7 +214,7 @@ def test_capability_refusal_is_an_unsupported_error_naming_op_and_backend():
         with glmport.use_backend("fp32only"):
             assert torch.all(_norm() == 42.0)
             x = torch.randn(2, 8, dtype=torch.bfloat16)
-            with pytest.raises(glmport.UnsupportedError, match="rms_norm.*fp32only.*bfloat16"):
+            with pytest.raises(glmport.UnsupportedError, match=r"rms_norm.*fp32only.*bfloat16"):
                 glmport.ops.rms_norm(x, torch.ones(8, dtype=torch.bfloat16))
     finally:
         glmport.unregister_backend("fp32only")
@@ -300,7 +300,10 @@ def test_plugin_backend_arrives_through_the_entry_point_group(entry_points):
 )
 def test_broken_plugins_are_unavailable_with_a_reason_not_a_crash(entry_points, target, needle):
     entry_points.append(_FakeEntryPoint("broken", target))
-    with pytest.raises(glmport.BackendUnavailableError, match=needle), glmport.use_backend("broken"):
+    with (
+        pytest.raises(glmport.BackendUnavailableError, match=needle),
+        glmport.use_backend("broken"),
+    ):
         pass
     avail = registry.REGISTRY.availability("broken", False)
     assert not avail.ok

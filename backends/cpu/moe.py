@@ -4,6 +4,7 @@ per-expert loop for the grouped GEMM."""
 from __future__ import annotations
 
 import torch
+
 from glmport.core.formats import FLOAT_WEIGHT
 
 from .precision import acc_dtype, out_dtype

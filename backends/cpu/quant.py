@@ -4,6 +4,7 @@ integer accumulation (int8 / int4) or float8 operands through torch's float8 dty
 from __future__ import annotations
 
 import torch
+
 from glmport.core.formats import (
     SCHEMES,
     dequantize_weight,

@@ -43,11 +43,13 @@ class OpSpec:
     backward: Callable[..., tuple] | None = None
     tie_outputs: tuple[int, ...] = ()
     arg_names: tuple[str, ...] = field(init=False)
+    arg_types: tuple[str, ...] = field(init=False)
     defaults: dict[str, object] = field(init=False)
 
     def __post_init__(self) -> None:
         parsed = torch._C.parse_schema(f"glmport::{self.name}{self.schema}")
         object.__setattr__(self, "arg_names", tuple(a.name for a in parsed.arguments))
+        object.__setattr__(self, "arg_types", tuple(str(a.type) for a in parsed.arguments))
         defaults = {a.name: a.default_value for a in parsed.arguments if a.has_default_value()}
         object.__setattr__(self, "defaults", defaults)
 
@@ -67,9 +69,13 @@ def invoke(spec: OpSpec, *args: object):
 
     The dispatcher rejects arguments of the wrong Python type before glmport's checks
     run; in that case the spec's checks are run here so the error names the op and
-    the argument in glmport's terms.
+    the argument in glmport's terms. It also silently converts some scalars (a bool
+    into an int or float argument, ``1`` or ``None`` into a bool one) that glmport's
+    checks reject, so those calls are checked here first.
     """
     op = getattr(torch.ops.glmport, spec.name)
+    if _coerced(spec, args):
+        spec.validate(args, values=False)
     try:
         return op(*args)
     except (TypeError, RuntimeError) as err:
@@ -77,3 +83,13 @@ def invoke(spec: OpSpec, *args: object):
             raise
         spec.validate(args, values=False)
         raise
+
+
+def _coerced(spec: OpSpec, args: tuple) -> bool:
+    """Whether the dispatcher would silently convert a scalar argument of ``args``."""
+    for kind, a in zip(spec.arg_types, args, strict=False):
+        if kind in ("int", "float") and isinstance(a, bool):
+            return True
+        if kind == "bool" and not isinstance(a, (bool, torch.SymBool)):
+            return True
+    return False

@@ -265,7 +265,7 @@ def _grouped_backward(inputs, grads):
     onehot = (row_expert[:, None] == torch.arange(e, device=x.device)).float()
     gx = torch.einsum("me,mn,enk->mk", onehot, gy32, wf).to(x.dtype)
     gw = None
-    if w.dtype in FLOAT_DTYPES:
+    if w_scale is None:  # a float weight: plain, or fake-quantised (QAT)
         gw = torch.einsum("me,mn,mk->enk", onehot, gy32, xq).to(w.dtype)
     return gx, gw, None, None, None, None
 

@@ -102,7 +102,9 @@ def check_quant_weight(
         if w_scale is None:
             c.fail("w_scale", f"a float32 scale tensor for a packed {scheme} weight", "None")
         c.tensor("w_scale", w_scale, ndim=len(lead) + len(s.weight.scale_shape(n, k, 1)))
-        group = s.weight_group_size(k, w_scale) if s.weight.granularity == "group" else None
+        group = None
+        if s.weight.granularity == "group":
+            group = s.weight_group_size(k, w_scale) if w_scale.shape[-1] else 0
         if group is not None and (group < 1 or group * w_scale.shape[-1] != k):
             c.fail(
                 "w_scale",
@@ -140,7 +142,7 @@ def _quant_gemm_backward(inputs, grads):
     gy32 = gy.float()
     gx = gy32 @ dequantize_weight(w, w_scale, scheme, group_size)
     gw = None
-    if w.dtype in FLOAT_DTYPES:
+    if w_scale is None:  # QAT: a float weight, fake-quantised
         gw = (gy32.transpose(0, 1) @ fake_quant_activation(x, scheme)).to(w.dtype)
     return gx.to(x.dtype), gw, None, None, None
 

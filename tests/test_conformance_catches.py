@@ -1,0 +1,179 @@
+"""The suite must catch wrong backends: each deliberately broken backend below wraps
+the cpu reference with one classic porting bug, and the suite must fail it and name
+the op."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import glmport
+from glmport.conformance.runner import run_check, suite_checks
+from glmport.core.formats import FLOAT_WEIGHT, SCHEMES
+from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest
+
+
+def _ref(op):
+    return REGISTRY.kernels("cpu")[op]
+
+
+def _ignores_minus_one(q, k, v, indices, scale):
+    # -1 read as Python's "last slot" instead of "no slot".
+    n = k.shape[0]
+    return _ref("sparse_attention")(q, k, v, torch.where(indices < 0, n - 1, indices), scale)
+
+
+def _causal_off_by_one(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+    end = (k_end + 1).clamp_max(k.shape[0]).to(k_end.dtype)
+    return _ref("lightning_indexer")(q, k, weights, k_start, end, topk, q_scale, k_scale)
+
+
+def _wrong_scale(q, k, v, indices, scale):
+    return _ref("sparse_attention")(q, k, v, indices, v.shape[-1] ** -0.5)
+
+
+def _lse_log2(q, k, v, indices, scale):
+    out, lse = _ref("sparse_attention")(q, k, v, indices, scale)
+    return out, lse / torch.log(torch.tensor(2.0))
+
+
+def _swap_nibbles(packed):
+    return ((packed >> 4) | (packed << 4)).to(torch.uint8)
+
+
+def _int4_swapped_quantize(x, fmt, group_size=128):
+    q, s = _ref("quantize")(x, fmt, group_size)
+    return (_swap_nibbles(q) if fmt == "int4_group" else q), s
+
+
+def _int4_swapped_gemm(x, w, w_scale, scheme, group_size=128):
+    if w_scale is not None and SCHEMES[scheme].weight.storage == torch.uint8:
+        w = _swap_nibbles(w)
+    return _ref("quant_gemm")(x, w, w_scale, scheme, group_size)
+
+
+def _bias_in_weights(logits, bias, top_k, *rest):
+    weights, ids = _ref("moe_gate")(logits, bias, top_k, *rest)
+    if bias is not None:
+        weights = weights + bias[ids.long()]
+    return weights, ids
+
+
+def _combine_without_weights(y_sorted, src_row, weights):
+    return _ref("moe_combine")(y_sorted, src_row, torch.ones_like(weights))
+
+
+_calls = itertools.count()
+
+
+def _nondeterministic_norm(x, weight, eps=1e-6):
+    # Like an unordered atomic reduction: the last bit of each output depends on the
+    # run (a different random half of the entries is one ulp up on every call).
+    y = _ref("rms_norm")(x, weight, eps)
+    gen = torch.Generator().manual_seed(next(_calls))
+    bump = torch.rand(y.shape, generator=gen) < 0.5
+    return torch.where(bump, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+BROKEN = {
+    "ignores_minus_one": {"sparse_attention": _ignores_minus_one},
+    "causal_off_by_one": {"lightning_indexer": _causal_off_by_one},
+    "wrong_softmax_scale": {"sparse_attention": _wrong_scale},
+    "lse_in_log2": {"sparse_attention": _lse_log2},
+    "int4_nibbles_swapped": {"quantize": _int4_swapped_quantize, "quant_gemm": _int4_swapped_gemm},
+    "gate_bias_in_weights": {"moe_gate": _bias_in_weights},
+    "combine_drops_weights": {"moe_combine": _combine_without_weights},
+    "nondeterministic_reduction": {"rms_norm": _nondeterministic_norm},
+}
+
+
+class _Broken(Backend):
+    def __init__(self, name, kernels):
+        self.manifest = BackendManifest(
+            name=name, device_type="cpu", description="deliberately broken", ops=tuple(kernels)
+        )
+        self.kernels = kernels
+
+    def probe(self, emulate):
+        return Availability(True)
+
+    def load_kernels(self):
+        return self.kernels
+
+
+@pytest.mark.parametrize("bug", sorted(BROKEN))
+def test_the_suite_fails_a_broken_backend_and_names_the_op(bug):
+    kernels = BROKEN[bug]
+    name = f"broken_{bug}"
+    glmport.register_backend(_Broken(name, kernels))
+    try:
+        records = [run_check(c, name) for c in suite_checks(ops=tuple(kernels))]
+    finally:
+        glmport.unregister_backend(name)
+    failed = [r for r in records if r.outcome == "fail"]
+    assert failed, f"the suite passed a backend with bug {bug!r}"
+    if bug == "nondeterministic_reduction":  # within tolerance: only determinism sees it
+        assert {r.kind for r in failed} == {"determinism"}
+    assert {r.op for r in failed} <= set(kernels)
+    assert all(r.ran_on == name for r in failed)
+    assert not [r for r in records if r.outcome == "error"], [r.reason for r in records if r.outcome == "error"]
+
+
+def test_an_honest_wrapper_of_the_reference_passes():
+    kernels = {op: _ref(op) for op in ("sparse_attention", "moe_combine", "rms_norm")}
+    glmport.register_backend(_Broken("honest", kernels))
+    try:
+        records = [run_check(c, "honest") for c in suite_checks(ops=tuple(kernels))]
+    finally:
+        glmport.unregister_backend("honest")
+    assert records and all(r.outcome == "pass" for r in records), [
+        (r.id, r.reason) for r in records if r.outcome != "pass"
+    ]
+
+
+def test_a_crashing_kernel_is_an_error_outcome_not_a_crash():
+    def boom(*args):
+        raise RuntimeError("device lost")
+
+    glmport.register_backend(_Broken("crashy", {"rms_norm": boom}))
+    try:
+        (check,) = [c for c in suite_checks(ops=("rms_norm",)) if c.kind == "value"][:1]
+        rec = run_check(check, "crashy")
+    finally:
+        glmport.unregister_backend("crashy")
+    assert (rec.outcome, rec.op) == ("error", "rms_norm")
+    assert "device lost" in rec.reason
+
+
+def test_a_declared_capability_limit_is_unsupported_not_failed():
+    from glmport.core.registry import Capability
+
+    backend = _Broken("fp32_norm", {"rms_norm": _ref("rms_norm")})
+    backend.manifest = BackendManifest(
+        name="fp32_norm",
+        device_type="cpu",
+        description="takes fp32 only",
+        ops=("rms_norm",),
+        capabilities={"rms_norm": Capability(dtypes=(torch.float32,))},
+    )
+    glmport.register_backend(backend)
+    try:
+        records = [run_check(c, "fp32_norm") for c in suite_checks(ops=("rms_norm",))]
+    finally:
+        glmport.unregister_backend("fp32_norm")
+    by_dtype = {(r.dtype, r.outcome) for r in records if r.kind == "value"}
+    assert ("bfloat16", "unsupported") in by_dtype and ("float32", "pass") in by_dtype
+    assert not [r for r in records if r.outcome in ("fail", "error")]
+
+
+def test_an_unavailable_backend_is_skipped_with_its_reason():
+    (check,) = [c for c in suite_checks(ops=("rope",)) if c.kind == "value"][:1]
+    rec = run_check(check, "cuda")
+    assert rec.outcome == "skipped"
+    assert "no Triton kernels" in rec.reason
+
+
+def test_float_weight_scheme_name_is_not_a_quant_scheme():
+    assert FLOAT_WEIGHT not in SCHEMES
