@@ -149,7 +149,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
     """Round positive float32 scales up to the next power of two (exact for powers)."""
-    return torch.exp2(torch.ceil(torch.log2(scale)))
+    up = torch.exp2(torch.ceil(torch.log2(scale)))
+    # float32 log2 of a value just above a power of two can round onto the integer
+    # (2**-9 * (1 + 2**-23) -> -9), which would round the scale DOWN; double it back.
+    return torch.where(up < scale, up * 2, up)
 
 
 def expand_scale(scale: torch.Tensor, fmt: QuantFormat, rows: int, cols: int, group_size: int):
