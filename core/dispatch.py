@@ -8,7 +8,13 @@ import torch
 
 from .errors import UnsupportedError
 from .registry import ANY_DEVICE, REGISTRY
-from .selection import Resolution, composite_kernel, current_settings, resolve
+from .selection import (
+    Resolution,
+    backward_kernel,
+    composite_kernel,
+    current_settings,
+    resolve,
+)
 from .shadow import observe
 from .specs import SPECS, OpSpec
 
@@ -55,11 +61,15 @@ def setup_context(name: str, ctx, inputs: tuple, output: object) -> None:
     ctx.save_for_backward(*(x for x in inputs if isinstance(x, torch.Tensor)))
     ctx.non_tensors = tuple(None if isinstance(x, torch.Tensor) else x for x in inputs)
     ctx.is_tensor = tuple(isinstance(x, torch.Tensor) for x in inputs)
+    # The backward runs where the forward ran (often outside the use_backend block).
+    ctx.chain = resolve(name).chain
 
 
 def backward(name: str, ctx, *grads: torch.Tensor) -> tuple:
-    """Gradients for every input of op ``name``: the spec's closed form if it has one,
-    else the vector-Jacobian product of the op's torch composite."""
+    """Gradients for every input of op ``name``: the spec's closed form if it defines
+    one (straight-through quantisation), else a ``"<op>:backward"`` kernel of the
+    first backend along the forward's fallback chain and the composites that has
+    one, else the vector-Jacobian product of the op's torch composite."""
     saved = iter(ctx.saved_tensors)
     inputs = tuple(
         next(saved) if is_t else v for is_t, v in zip(ctx.is_tensor, ctx.non_tensors, strict=True)
@@ -67,6 +77,9 @@ def backward(name: str, ctx, *grads: torch.Tensor) -> tuple:
     spec = SPECS[name]
     if spec.backward is not None:
         return tuple(spec.backward(inputs, grads))
+    kernel = backward_kernel(name, ctx.chain)
+    if kernel is not None:
+        return tuple(kernel(inputs, grads))
     return _composite_vjp(spec, inputs, grads)
 
 

@@ -122,7 +122,8 @@ class Backend:
         """Import and return ``{op name: kernel}`` for every op in ``manifest.ops``.
 
         A kernel takes the op's arguments in schema order (already validated) and
-        returns its outputs.
+        returns its outputs. Optional ``"<op>:backward"`` entries are backward
+        kernels: ``(inputs, grad_outputs) -> one gradient (or None) per input``.
         """
         raise NotImplementedError
 
@@ -234,6 +235,13 @@ class _Registry:
                 backend = self.get(name)
                 kernels = dict(backend.load_kernels())
                 missing = sorted(set(backend.manifest.ops) - set(kernels))
+                known = {*OP_NAMES, *(f"{op}:backward" for op in OP_NAMES)}
+                unknown = sorted(set(kernels) - known)
+                if unknown:
+                    raise BackendUnavailableError(
+                        f"backend {name!r}: load_kernels() returned unknown keys {unknown}; "
+                        "keys are op names, or '<op>:backward' for a backward kernel"
+                    )
                 if missing:
                     raise BackendUnavailableError(
                         f"backend {name!r} declares ops {missing} but its load_kernels() lacks them"

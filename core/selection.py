@@ -285,6 +285,21 @@ def resolve(op: str, settings: Settings | None = None) -> Resolution:
 
 
 COMPOSITES = ("generic", "cpu")
+BACKWARD_SUFFIX = ":backward"
+
+
+def backward_kernel(op: str, chain: tuple[str, ...]) -> Kernel | None:
+    """The first ``"<op>:backward"`` kernel along ``chain`` then the composites, if any.
+
+    A backward kernel takes ``(inputs, grad_outputs)`` (inputs in schema order) and
+    returns one gradient (or None) per input.
+    """
+    for name in dict.fromkeys((*chain, *COMPOSITES)):
+        if REGISTRY.availability(name, current_settings().emulate).ok:
+            kernel = REGISTRY.kernels(name).get(op + BACKWARD_SUFFIX)
+            if kernel is not None:
+                return kernel
+    return None
 
 
 def composite_kernel(op: str) -> Kernel:

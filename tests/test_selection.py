@@ -70,7 +70,7 @@ def test_env_backend_selects_a_registered_backend(monkeypatch, toy):
 def test_ops_a_backend_lacks_fall_back_along_its_chain(monkeypatch, toy):
     monkeypatch.setenv("GLMPORT_BACKEND", "toy")
     res = resolve("rope")
-    assert (res.requested, res.backend, res.chain) == ("toy", "cpu", ("toy", "generic", "cpu"))
+    assert (res.requested, res.backend, res.chain) == ("toy", "generic", ("toy", "generic"))
     assert res.fell_back
 
 
@@ -84,13 +84,13 @@ def test_a_fallback_is_logged_once_per_backend_and_op(caplog):
     finally:
         glmport.unregister_backend("logonce")
     lines = [r.getMessage() for r in caplog.records if "'logonce'" in r.getMessage()]
-    assert lines == ["glmport: backend 'logonce' lacks 'token_logprobs'; falling back to 'cpu'"]
+    assert lines == ["glmport: backend 'logonce' lacks 'token_logprobs'; falling back to 'generic'"]
 
 
-def test_generic_falls_back_to_cpu_for_every_op_it_lacks(monkeypatch):
+def test_generic_implements_every_op_itself(monkeypatch):
     monkeypatch.setenv("GLMPORT_BACKEND", "generic")
     for op in OP_NAMES:
-        assert resolve(op).chain == ("generic", "cpu")
+        assert resolve(op).chain == ("generic",)
 
 
 def test_unknown_backend_name_lists_the_valid_names(monkeypatch):
@@ -187,7 +187,7 @@ def test_use_backend_checks_the_name_on_entry():
 def test_use_backend_per_op_overrides_stack(toy):
     with glmport.use_backend("generic", ops={"rms_norm": "toy"}):
         assert resolve("rms_norm").backend == "toy"
-        assert resolve("rope").chain == ("generic", "cpu")
+        assert resolve("rope").chain == ("generic",)
 
 
 def test_two_backends_in_one_process_in_threads(toy):

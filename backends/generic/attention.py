@@ -1,0 +1,98 @@
+"""Sparse attention in query chunks: only the selected slots are gathered, so extra
+memory is O(chunk * K * D), never O(T * N)."""
+
+from __future__ import annotations
+
+import torch
+
+from .tiling import rows_per_tile
+
+
+def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when ``v`` is ``k[..., :Dv]`` (absorbed MLA): gather once, slice the gather."""
+    return (
+        torch._C._is_alias_of(v, k)  # storage identity; works on fake tensors when tracing
+        and v.storage_offset() == k.storage_offset()
+        and v.shape[:2] == k.shape[:2]
+        and v.stride() == k.stride()
+        and v.shape[-1] <= k.shape[-1]
+    )
+
+
+def gather_chunk(q, k, v, indices, scale, t0, t1):
+    """Scores and gathered values for queries ``[t0, t1)``, all fp32.
+
+    Returns ``qg [Tc, Hkv, G, Dk]``, ``kg [Tc, Hkv, K, Dk]``, ``vg [Tc, Hkv, K, Dv]``,
+    ``s [Tc, Hkv, G, K]`` (scaled, ``-inf`` at ``-1`` entries) and ``slots [Tc, K]``.
+    """
+    h, dk = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    idx = indices[t0:t1]
+    slots = idx.clamp_min(0).long()
+    kg = k[slots].float().permute(0, 2, 1, 3)  # [Tc, Hkv, K, Dk]
+    # Absorbed MLA's value is a prefix of the key: slice the gather instead of redoing it.
+    vg = kg[..., : v.shape[-1]] if _v_is_k_prefix(k, v) else v[slots].float().permute(0, 2, 1, 3)
+    qg = q[t0:t1].float().view(t1 - t0, hkv, h // hkv, dk)
+    s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
+    s = s.masked_fill((idx < 0)[:, None, None, :], float("-inf"))
+    return qg, kg, vg, s, slots
+
+
+def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax and natural-log lse; an all ``-inf`` row gives p = 0, lse = -inf."""
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return p, lse
+
+
+def chunk_rows(q, k, v, indices) -> int:
+    """Queries per chunk: the gathered K and V plus scores and probabilities, in fp32."""
+    kk = indices.shape[1]
+    hkv, dk, dv, h = k.shape[1], k.shape[2], v.shape[2], q.shape[1]
+    per_query = 4 * kk * (hkv * (dk + dv) + 2 * h)
+    return rows_per_tile(per_query, q.shape[0])
+
+
+def sparse_attention(q, k, v, indices, scale):
+    t, h, _ = q.shape
+    out = q.new_empty((t, h, v.shape[-1]))
+    lse_out = torch.empty((t, h), dtype=torch.float32, device=q.device)
+    step = chunk_rows(q, k, v, indices)
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        _, _, vg, s, _ = gather_chunk(q, k, v, indices, scale, t0, t1)
+        p, lse = softmax_with_lse(s)
+        out[t0:t1] = torch.matmul(p, vg).reshape(t1 - t0, h, -1).to(q.dtype)
+        lse_out[t0:t1] = lse.reshape(t1 - t0, h)
+    return out, lse_out
+
+
+def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
+    """Closed-form gradients, chunk by chunk like the forward (FlashAttention-style):
+    ``dS = P * (dP - rowsum(dO * O) + dlse)``, ``dq = scale * dS K``, and ``dk``, ``dv``
+    scattered back onto the selected slots."""
+    q, k, v, indices, scale = inputs
+    g_out, g_lse = grads
+    t, h, dk = q.shape
+    hkv = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkf = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dvf = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    step = chunk_rows(q, k, v, indices)
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        tc = t1 - t0
+        qg, kg, vg, s, slots = gather_chunk(q, k, v, indices, scale, t0, t1)
+        p, _ = softmax_with_lse(s)
+        go = g_out[t0:t1].float().view(tc, hkv, h // hkv, -1)
+        gl = g_lse[t0:t1].float().view(tc, hkv, h // hkv, 1)
+        out = torch.matmul(p, vg)
+        dp = torch.matmul(go, vg.transpose(-1, -2))
+        ds = p * (dp - (go * out).sum(-1, keepdim=True) + gl)
+        dq[t0:t1] = (torch.matmul(ds, kg) * scale).reshape(tc, h, dk)
+        dkg = torch.matmul(ds.transpose(-1, -2), qg) * scale  # [Tc, Hkv, K, Dk]
+        dvg = torch.matmul(p.transpose(-1, -2), go)  # [Tc, Hkv, K, Dv]
+        flat = slots.reshape(-1)  # -1 entries gathered slot 0 with p = 0: they add zeros
+        dkf.index_add_(0, flat, dkg.permute(0, 2, 1, 3).reshape(-1, hkv, dk))
+        dvf.index_add_(0, flat, dvg.permute(0, 2, 1, 3).reshape(-1, hkv, v.shape[-1]))
+    return dq.to(q.dtype), dkf.to(k.dtype), dvf.to(v.dtype), None, None

@@ -1,0 +1,74 @@
+"""The lightning indexer in query x key tiles with a running top-k, so a full [T, N]
+score matrix is never held when N is large."""
+
+from __future__ import annotations
+
+import torch
+
+from .tiling import rows_per_tile
+
+KEY_TILE = 8192
+
+
+def _dequant(q, k, q_scale, k_scale):
+    """fp32 query / key rows; fp8 rows times their (positive) scales."""
+    qf, kf = q.float(), k.float()
+    if q_scale is not None:
+        qf = qf * q_scale[..., None]
+        kf = kf * k_scale[:, None]
+    return qf, kf
+
+
+def _tile_scores(qf, kf, weights, k_start, k_end, n0, n1):
+    """``[Tc, n1 - n0]`` scores of a query chunk against key tile ``[n0, n1)``."""
+    dots = torch.matmul(qf, kf[n0:n1].T).relu_()  # [Tc, Hi, Nt]
+    scores = torch.matmul(weights[:, None, :], dots).squeeze(1)
+    slots = torch.arange(n0, n1, device=qf.device)
+    valid = (slots >= k_start[:, None]) & (slots < k_end[:, None])
+    return scores.masked_fill_(~valid, float("-inf"))
+
+
+def _query_step(t: int, hi: int, tile: int) -> int:
+    return rows_per_tile(4 * hi * tile * 2, t)
+
+
+def indexer_logits(q, k, weights, k_start, k_end, q_scale=None, k_scale=None):
+    t, hi, _ = q.shape
+    n = k.shape[0]
+    qf, kf = _dequant(q, k, q_scale, k_scale)
+    out = torch.empty((t, n), dtype=torch.float32, device=q.device)
+    step = _query_step(t, hi, max(n, 1))
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        out[t0:t1] = _tile_scores(qf[t0:t1], kf, weights[t0:t1], k_start[t0:t1], k_end[t0:t1], 0, n)
+    return out
+
+
+def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+    t, hi, _ = q.shape
+    n = k.shape[0]
+    qf, kf = _dequant(q, k, q_scale, k_scale)
+    tile = min(KEY_TILE, max(n, 1))
+    step = _query_step(t, hi, tile + topk)
+    indices = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
+    values = torch.full((t, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        ks, ke = k_start[t0:t1], k_end[t0:t1]
+        best_v = values[t0:t1]
+        best_i = indices[t0:t1].long()
+        lo, hi_ = (int(ks.min()), int(ke.max())) if t1 > t0 else (0, 0)
+        for n0 in range(lo - lo % tile, hi_, tile):  # only tiles some query can see
+            n1 = min(n, n0 + tile)
+            sc = _tile_scores(qf[t0:t1], kf, weights[t0:t1], ks, ke, n0, n1)
+            slots = torch.arange(n0, n1, device=q.device).expand(t1 - t0, -1)
+            # Earlier tiles hold lower slots and come first: a stable sort keeps ties
+            # on the lower slot, as the contract asks.
+            cand_v = torch.cat((best_v, sc), dim=1)
+            cand_i = torch.cat((best_i, slots), dim=1)
+            order = torch.sort(cand_v, dim=1, descending=True, stable=True).indices[:, :topk]
+            best_v, best_i = cand_v.gather(1, order), cand_i.gather(1, order)
+        valid = torch.isfinite(best_v)
+        values[t0:t1] = best_v
+        indices[t0:t1] = torch.where(valid, best_i, -1).to(torch.int32)
+    return indices, values

@@ -1,0 +1,76 @@
+"""Token log-probabilities with an online log-sum-exp over vocabulary tiles: never a
+full fp32 [T, V]. The backward recomputes the tiles the same way."""
+
+from __future__ import annotations
+
+import torch
+
+from .tiling import rows_per_tile
+
+VOCAB_TILE = 16384
+
+
+def _tiles(hidden, lm_head):
+    t, v = hidden.shape[0], lm_head.shape[0]
+    vt = min(VOCAB_TILE, max(v, 1))
+    return rows_per_tile(4 * vt * 3, t), vt
+
+
+def _online_stats(h, lm_head, temperature, vt):
+    """Per token: max logit ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) z``."""
+    rows = h.shape[0]
+    m = torch.full((rows,), float("-inf"), device=h.device)
+    s = torch.zeros(rows, device=h.device)
+    u = torch.zeros(rows, device=h.device)
+    for v0 in range(0, lm_head.shape[0], vt):
+        z = (h @ lm_head[v0 : v0 + vt].float().T) / temperature
+        m_new = torch.maximum(m, z.amax(dim=1))
+        decay = torch.exp(m - m_new)
+        e = torch.exp(z - m_new[:, None])
+        s = s * decay + e.sum(dim=1)
+        u = u * decay + (e * z).sum(dim=1)
+        m = m_new
+    return m, s, u
+
+
+def token_logprobs(hidden, lm_head, targets, temperature=1.0):
+    step, vt = _tiles(hidden, lm_head)
+    t = hidden.shape[0]
+    logp = torch.empty(t, device=hidden.device)
+    entropy = torch.empty(t, device=hidden.device)
+    for t0 in range(0, t, step):
+        h = hidden[t0 : t0 + step].float()
+        m, s, u = _online_stats(h, lm_head, temperature, vt)
+        lse = m + torch.log(s)
+        target_row = lm_head[targets[t0 : t0 + step].long()].float()
+        z_target = (h * target_row).sum(dim=1) / temperature
+        logp[t0 : t0 + step] = z_target - lse
+        entropy[t0 : t0 + step] = lse - u / s
+    return logp, entropy
+
+
+def token_logprobs_backward(inputs: tuple, grads: tuple) -> tuple:
+    """``dz = g_logp (onehot - p) - g_ent p (z - E_p[z])``, then ``dh = dz W / temp`` and
+    ``dW = dz^T h / temp``, tile by tile (the statistics are recomputed first)."""
+    hidden, lm_head, targets, temperature = inputs
+    g_logp, g_ent = (g.float() for g in grads)
+    step, vt = _tiles(hidden, lm_head)
+    dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    dw = torch.zeros(lm_head.shape, dtype=torch.float32, device=lm_head.device)
+    for t0 in range(0, hidden.shape[0], step):
+        h = hidden[t0 : t0 + step].float()
+        tgt = targets[t0 : t0 + step].long()
+        gl, ge = g_logp[t0 : t0 + step, None], g_ent[t0 : t0 + step, None]
+        m, s, u = _online_stats(h, lm_head, temperature, vt)
+        lse, mean_z = (m + torch.log(s))[:, None], (u / s)[:, None]
+        for v0 in range(0, lm_head.shape[0], vt):
+            w = lm_head[v0 : v0 + vt].float()
+            z = (h @ w.T) / temperature
+            p = torch.exp(z - lse)
+            dz = -gl * p - ge * p * (z - mean_z)
+            hit = (tgt >= v0) & (tgt < v0 + w.shape[0])
+            rows = hit.nonzero().squeeze(1)
+            dz[rows, tgt[rows] - v0] += gl[rows, 0]
+            dh[t0 : t0 + step] += (dz @ w) / temperature
+            dw[v0 : v0 + vt] += (dz.T @ h) / temperature
+    return dh.to(hidden.dtype), dw.to(lm_head.dtype), None, None
