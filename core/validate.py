@@ -111,18 +111,26 @@ class Checker:
         """Every element of integer tensor ``t`` lies in ``[low, high)``."""
         if t.numel() == 0:
             return
-        lo, hi = int(t.min()), int(t.max())
+        lo, hi = (int(v) for v in torch.aminmax(t))
         if lo < low or hi >= high:
             bad = lo if lo < low else hi
             self.fail(arg, f"values in [{low}, {high})", f"a value {bad}")
 
     def finite_positive(self, arg: str, t: torch.Tensor) -> None:
-        if t.numel() and not bool(torch.isfinite(t).all() and (t > 0).all()):
-            bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[0].item()
+        if t.numel() == 0:
+            return
+        lo, hi = (float(v) for v in torch.aminmax(t))  # NaN propagates into both
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo > 0):
+            bad = lo if not (math.isfinite(lo) and lo > 0) else hi
             self.fail(arg, "finite and > 0 everywhere (scales)", f"a value {bad}")
 
     def finite(self, arg: str, t: torch.Tensor) -> None:
-        if t.numel() and not bool(torch.isfinite(t.float()).all()):
+        if t.numel() == 0:
+            return
+        values = t if t.dtype in (*FLOAT_DTYPES, torch.float64) else t.float()  # e.g. fp8
+        # One min/max pass: far cheaper than isfinite(t).all(), and NaN propagates.
+        lo, hi = (float(v) for v in torch.aminmax(values))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             self.fail(arg, "finite everywhere (no NaN or inf)", "a non-finite value")
 
 

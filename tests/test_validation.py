@@ -391,6 +391,8 @@ CASES: list[Case] = [
     Case("li-topk_zero", "lightning_indexer", put(topk=0), "topk", ("int >= 1", "0")),
     Case("li-topk_bool", "lightning_indexer", put(topk=True), "topk", ("int >= 1", "bool True")),
     Case("li-topk_float", "lightning_indexer", put(topk=2.0), "topk", ("int >= 1", "float 2.0")),
+    Case("li-q_nan", "lightning_indexer", poke("q", (1, 1, 1), NAN), "q", ("finite",), value=True),
+    Case("li-k_inf", "lightning_indexer", poke("k", (2, 3), INF), "k", ("finite",), value=True),
     Case(
         "li-weights_nan",
         "lightning_indexer",

@@ -7,7 +7,7 @@ import torch
 
 from .tiling import rows_per_tile
 
-KEY_TILE = 8192
+KEY_TILE = 65536
 
 
 def _dequant(q, k, q_scale, k_scale):
@@ -44,6 +44,25 @@ def indexer_logits(q, k, weights, k_start, k_end, q_scale=None, k_scale=None):
     return out
 
 
+def _select(cand_v, cand_i, k):
+    """The best ``k`` candidates per row, best first, ties to the lower slot.
+
+    Requires equal values to appear in ascending slot order along each row (true for
+    ``[running best | next tile]``: earlier tiles hold lower slots). ``topk`` finds the
+    k-th value; everything above it is taken, then the first of the ties.
+    """
+    rows, width = cand_v.shape
+    kk = min(k, width)
+    kth = torch.topk(cand_v, kk, dim=1).values[:, -1:]
+    above = cand_v > kth
+    tied = cand_v == kth
+    take = above | (tied & (tied.cumsum(1) <= kk - above.sum(1, keepdim=True)))
+    pos = take.nonzero()[:, 1].view(rows, kk)  # exactly kk per row, in slot order
+    sel_v, sel_i = cand_v.gather(1, pos), cand_i.gather(1, pos)
+    order = torch.sort(sel_v, dim=1, descending=True, stable=True).indices
+    return sel_v.gather(1, order), sel_i.gather(1, order)
+
+
 def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
     t, hi, _ = q.shape
     n = k.shape[0]
@@ -55,20 +74,18 @@ def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale
     for t0 in range(0, t, step):
         t1 = min(t, t0 + step)
         ks, ke = k_start[t0:t1], k_end[t0:t1]
-        best_v = values[t0:t1]
-        best_i = indices[t0:t1].long()
-        lo, hi_ = (int(ks.min()), int(ke.max())) if t1 > t0 else (0, 0)
+        best_v = values[t0:t1, :0]
+        best_i = indices[t0:t1, :0].long()
+        lo, hi_ = int(ks.min()), int(ke.max())
         for n0 in range(lo - lo % tile, hi_, tile):  # only tiles some query can see
             n1 = min(n, n0 + tile)
             sc = _tile_scores(qf[t0:t1], kf, weights[t0:t1], ks, ke, n0, n1)
             slots = torch.arange(n0, n1, device=q.device).expand(t1 - t0, -1)
-            # Earlier tiles hold lower slots and come first: a stable sort keeps ties
-            # on the lower slot, as the contract asks.
-            cand_v = torch.cat((best_v, sc), dim=1)
-            cand_i = torch.cat((best_i, slots), dim=1)
-            order = torch.sort(cand_v, dim=1, descending=True, stable=True).indices[:, :topk]
-            best_v, best_i = cand_v.gather(1, order), cand_i.gather(1, order)
+            best_v, best_i = _select(
+                torch.cat((best_v, sc), 1), torch.cat((best_i, slots), 1), topk
+            )
+        width = best_v.shape[1]
         valid = torch.isfinite(best_v)
-        values[t0:t1] = best_v
-        indices[t0:t1] = torch.where(valid, best_i, -1).to(torch.int32)
+        values[t0:t1, :width] = torch.where(valid, best_v, float("-inf"))
+        indices[t0:t1, :width] = torch.where(valid, best_i, -1).to(torch.int32)
     return indices, values

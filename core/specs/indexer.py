@@ -47,6 +47,8 @@ def _check_scores_inputs(c: Checker, q, k, weights, k_start, k_end, q_scale, k_s
                 f"k_start[{row}]={int(k_start[row])} > k_end[{row}]={int(k_end[row])}",
             )
         c.finite("weights", weights)
+        c.finite("q", q)  # a NaN score would make the chosen set arbitrary
+        c.finite("k", k)
         for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
             if s is not None:
                 c.finite_positive(name, s)
