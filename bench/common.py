@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,9 +32,39 @@ def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far, MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each function, run in turns so that machine noise hits all alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> float:
+    """Return freed memory to the OS, reset the kernel's peak-RSS mark (Linux), and
+    return the resident MiB now: the baseline for :func:`peak_since_reset_mib`."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mib("VmRSS")
+
+
+def peak_since_reset_mib() -> float:
+    return _status_mib("VmHWM")
 
 
 def extra_peak_mib(script: str, case: str) -> float:

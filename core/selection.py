@@ -87,6 +87,7 @@ _ENV_VARS = (
     "GLMPORT_SHADOW",
     "GLMPORT_SHADOW_CALLS",
     "GLMPORT_VALIDATE",
+    "GLMPORT_TILE_MB",
 )
 _env_cache: dict[tuple[str | None, ...], Settings] = {}
 

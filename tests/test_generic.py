@@ -164,8 +164,10 @@ def test_indexer_holds_no_full_score_matrix_when_n_is_large(monkeypatch):
     assert peak < t * n * 4 / 4
 
 
+@pytest.mark.parametrize("fused", [True, False])  # the CPU takes the loop; force the other
 @pytest.mark.parametrize("k", [64, 6])  # 6: rows of 24 bytes, too unaligned for _grouped_mm
-def test_grouped_gemm_fast_and_portable_paths_agree(k):
+def test_grouped_gemm_fused_and_loop_paths_agree(monkeypatch, fused, k):
+    monkeypatch.setattr(gmoe, "_fused_grouped_mm", lambda device_type, dtype: fused)
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(20, k, generator=gen), torch.randn(4, 8, k, generator=gen)
     offs = torch.tensor([0, 5, 5, 12, 20], dtype=torch.int32)

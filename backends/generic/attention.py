@@ -19,6 +19,13 @@ def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``x[slots]`` as fp32 ``[Tc, Hkv, K, D]``: ``index_select`` copies whole rows,
+    many times faster than advanced indexing on a CPU."""
+    rows = torch.index_select(x.reshape(x.shape[0], -1), 0, slots.reshape(-1))
+    return rows.view(*slots.shape, x.shape[1], x.shape[2]).float().permute(0, 2, 1, 3)
+
+
 def gather_chunk(q, k, v, indices, scale, t0, t1):
     """Scores and gathered values for queries ``[t0, t1)``, all fp32.
 
@@ -29,9 +36,9 @@ def gather_chunk(q, k, v, indices, scale, t0, t1):
     hkv = k.shape[1]
     idx = indices[t0:t1]
     slots = idx.clamp_min(0).long()
-    kg = k[slots].float().permute(0, 2, 1, 3)  # [Tc, Hkv, K, Dk]
+    kg = _gather(k, slots)  # [Tc, Hkv, K, Dk]
     # Absorbed MLA's value is a prefix of the key: slice the gather instead of redoing it.
-    vg = kg[..., : v.shape[-1]] if _v_is_k_prefix(k, v) else v[slots].float().permute(0, 2, 1, 3)
+    vg = kg[..., : v.shape[-1]] if _v_is_k_prefix(k, v) else _gather(v, slots)
     qg = q[t0:t1].float().view(t1 - t0, hkv, h // hkv, dk)
     s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
     s = s.masked_fill((idx < 0)[:, None, None, :], float("-inf"))

@@ -1,6 +1,7 @@
 """MoE on any device. Routing (gate, sort-based dispatch, index_add combine) is the
 reference's own device-neutral code; the grouped GEMM uses ``torch._grouped_mm`` where
-the device, dtype and strides allow, else one GEMM per expert's contiguous rows."""
+it is a fused kernel and the strides allow, else one GEMM per expert's contiguous rows
+written in place."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ __all__ = ["grouped_gemm", "moe_combine", "moe_dispatch", "moe_gate"]
 
 
 @functools.cache
-def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+def _fused_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether to use ``torch._grouped_mm``: where it runs and is a fused kernel. On the
+    CPU it is a loop of GEMMs that measured slower than the loop below (bench/generic.py),
+    so the CPU takes the loop."""
+    if device_type == "cpu":
+        return False
     x = torch.ones(16, 16, dtype=dtype, device=device_type)
     w = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
     try:
@@ -32,10 +38,9 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def grouped_gemm(x, w, expert_offsets, w_scale=None, scheme=FLOAT_WEIGHT, group_size=128):
-    if scheme == FLOAT_WEIGHT:
-        wt = w.transpose(1, 2)
-        if _grouped_mm_runs(x.device.type, x.dtype) and _aligned(x) and _aligned(w):
-            return torch._grouped_mm(x, wt, offs=expert_offsets[1:].to(torch.int32))
+    fused = scheme == FLOAT_WEIGHT and _fused_grouped_mm(x.device.type, x.dtype)
+    if fused and _aligned(x) and _aligned(w):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32))
     bounds = expert_offsets.tolist()
     out = x.new_empty((x.shape[0], w.shape[1]))
     for e in range(w.shape[0]):
@@ -43,7 +48,7 @@ def grouped_gemm(x, w, expert_offsets, w_scale=None, scheme=FLOAT_WEIGHT, group_
         if r1 == r0:
             continue
         if scheme == FLOAT_WEIGHT:
-            out[r0:r1] = x[r0:r1] @ w[e].T
+            torch.matmul(x[r0:r1], w[e].T, out=out[r0:r1])
         else:
             scale = None if w_scale is None else w_scale[e]
             out[r0:r1] = quant_gemm(x[r0:r1], w[e], scale, scheme, group_size)
