@@ -1,0 +1,186 @@
+"""``GlmMoeDsaForCausalLM``: the HF-style entry point (``from_pretrained``,
+``save_pretrained``, ``from_config``, ``model(input_ids, attention_mask)``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmport.core.errors import ConfigError
+
+from .config import GlmMoeDsaConfig
+from .modeling import CausalLMOutput, Experts, GlmMoeDsaModel, Router, pack
+from .weights import fuse_experts, read_tensors, save_tensors, split_experts
+
+log = logging.getLogger("glmport.model")
+IGNORE_INDEX = -100
+
+
+class GlmMoeDsaForCausalLM(nn.Module):
+    """GLM-5 with its LM head (and MTP layers under ``model.layers``)."""
+
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = GlmMoeDsaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # -- construction ----------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        config: GlmMoeDsaConfig | str,
+        *,
+        device: str | torch.device | None = None,
+        seed: int | None = 0,
+    ) -> GlmMoeDsaForCausalLM:
+        """A randomly initialised model (``device="meta"`` for shapes and counts only)."""
+        if isinstance(config, str):
+            config = GlmMoeDsaConfig.preset(config)
+        with torch.device(device or "cpu"):
+            model = cls(config)
+        if str(device) != "meta":
+            model.init_weights(seed)
+        return model
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = 0) -> None:
+        """HF's initialisation: normal(0, initializer_range) weights, unit norms, zero
+        biases; each MTP layer's embedding and head start as copies of the main ones."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, (Experts, Router)):
+                for p in module.parameters(recurse=False):
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif hasattr(module, "eps") and isinstance(
+                getattr(module, "weight", None), nn.Parameter
+            ):
+                module.weight.fill_(1.0)
+        for mtp in self.model.mtp_layers:
+            mtp.embed_tokens.weight.copy_(self.model.embed_tokens.weight)
+            mtp.shared_head.head.weight.copy_(self.lm_head.weight)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> GlmMoeDsaForCausalLM:
+        """Load a folder with ``config.json`` and HF safetensors (sharded or not).
+
+        A checkpoint without MTP tensors (as transformers saves them) loads with
+        ``num_nextn_predict_layers = 0``; any other missing or unexpected tensor is an
+        error naming it.
+        """
+        path = Path(path)
+        config = GlmMoeDsaConfig.from_json_file(path / "config.json")
+        state = fuse_experts(dict(read_tensors(path)))
+        mtp_prefix = f"model.layers.{config.num_hidden_layers}."
+        if config.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in state):
+            log.info("glmport: %s has no MTP layer tensors; loading without MTP", path)
+            config.num_nextn_predict_layers = 0
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_hf_state_dict(state)
+        return model.to(device=device, dtype=dtype) if dtype else model.to(device=device)
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load fused-expert HF keys (:func:`fuse_experts` output), strictly."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ConfigError(
+                f"checkpoint does not match the config: missing {missing[:6]}"
+                f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+                f"{'...' if len(unexpected) > 6 else ''}"
+            )
+        for key, value in state.items():
+            if tuple(value.shape) != tuple(own[key].shape):
+                raise ConfigError(
+                    f"checkpoint tensor {key} has shape {list(value.shape)}, expected {list(own[key].shape)}"
+                )
+        self.load_state_dict(state, assign=True)
+
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+        """Write ``config.json`` and HF-named safetensors (per-expert keys)."""
+        if any(name.endswith("_q") for name, _ in self.named_buffers()):
+            raise ConfigError(
+                "save_pretrained writes float weights; this model holds packed quantised experts"
+            )
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.to_json_file(path / "config.json")
+        save_tensors(split_experts(self.state_dict()), path, max_shard_bytes)
+
+    # -- counting --------------------------------------------------------------------
+
+    def num_parameters(self, *, active: bool = False, include_mtp: bool = False) -> int:
+        """Parameter count; ``active``: per token (only ``num_experts_per_tok`` routed
+        experts of each MoE layer count)."""
+        c = self.config
+        layers = self.model.layers if include_mtp else self.model.decoder_layers
+        skip = set()
+        if not include_mtp:
+            for mtp in self.model.mtp_layers:
+                skip |= {id(p) for p in mtp.parameters()}
+        total = sum(p.numel() for p in self.parameters() if id(p) not in skip)
+        if active:
+            for layer in layers:
+                if hasattr(layer.mlp, "experts"):
+                    per_expert = sum(p[0].numel() for p in layer.mlp.experts.parameters())
+                    total -= (c.n_routed_experts - c.num_experts_per_tok) * per_expert
+        return total
+
+    # -- forward ---------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """``input_ids [B, S]`` (and a 1/0 mask for padded batches) -> logits ``[B, S, V]``.
+
+        ``labels [B, S]``: next-token cross-entropy over positions whose label is not
+        ``-100`` (labels are the inputs; the shift happens here).
+        """
+        if input_ids.dim() != 2:
+            raise ConfigError(f"input_ids must be [B, S], got shape {list(input_ids.shape)}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ConfigError(
+                f"attention_mask shape {list(attention_mask.shape)} != "
+                f"input_ids shape {list(input_ids.shape)}"
+            )
+        if input_ids.numel() and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
+        ):
+            raise ConfigError(f"input_ids must lie in [0, {self.config.vocab_size})")
+        batch = pack(input_ids, attention_mask)
+        hidden = self.model(batch)
+        logits = self.lm_head(self.model.norm(hidden))
+        loss = None
+        if labels is not None:
+            shifted = torch.full_like(labels, IGNORE_INDEX)
+            shifted[:, :-1] = labels[:, 1:]
+            if attention_mask is not None:
+                shifted = shifted.masked_fill(~attention_mask.bool(), IGNORE_INDEX)
+            loss = F.cross_entropy(
+                logits.float(), shifted.reshape(-1)[batch.flat], ignore_index=IGNORE_INDEX
+            )
+        return CausalLMOutput(batch.unpack(logits), batch.unpack(hidden), loss)

@@ -1,0 +1,384 @@
+"""GLM-5 (and DeepSeek-V3.2) on glmport ops: MLA attention with the lightning indexer
+and top-k sparse attention, MoE with a sigmoid router, MTP layers.
+
+Tokens travel packed (``[T_total, ...]``, the op interface's "TND" layout): a padded
+batch is packed once (:func:`pack`), every sequence's keys are a contiguous slot range,
+and the indexer's ranges and the attention's indices are slots of that packed batch
+(or of the paged KV cache, see :mod:`glmport.model.cache`). Parameter names follow
+transformers' ``GlmMoeDsaForCausalLM``, so its state dicts load unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import glmport.ops as ops
+
+from .config import GlmMoeDsaConfig
+
+MLA_NORM_EPS = 1e-6  # q_a / kv_a norms and the indexer's key LayerNorm (not rms_norm_eps)
+
+
+# -- packing -----------------------------------------------------------------------
+
+
+@dataclass
+class Packed:
+    """A padded batch ``[B, S]`` packed to its ``T`` real tokens.
+
+    ``positions [T]`` (per sequence, from 0), ``k_start`` / ``k_end [T]`` int32 causal
+    key ranges in packed slots, ``flat [T]`` each token's index in the ``B * S`` grid.
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    k_start: torch.Tensor
+    k_end: torch.Tensor
+    flat: torch.Tensor
+    batch: int
+    seq_len: int
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` back to ``[B, S, ...]``, zeros at padding."""
+        out = packed.new_zeros((self.batch * self.seq_len, *packed.shape[1:]))
+        out[self.flat] = packed
+        return out.view(self.batch, self.seq_len, *packed.shape[1:])
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Packed:
+    """Pack ``input_ids [B, S]`` with a 1/0 ``attention_mask`` (left or right padding).
+
+    Positions count each sequence's real tokens, so padding never shifts them.
+    """
+    b, s = input_ids.shape
+    mask = (
+        torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask is None
+        else attention_mask.bool()
+    )
+    counts = mask.sum(dim=1)
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    positions = (mask.long().cumsum(dim=1) - 1).reshape(-1)[flat]
+    starts = torch.cat((counts.new_zeros(1), counts.cumsum(0)[:-1]))
+    row = flat // s
+    k_start = starts[row].to(torch.int32)
+    k_end = (k_start + positions + 1).to(torch.int32)
+    return Packed(input_ids.reshape(-1)[flat], positions, k_start, k_end, flat, b, s)
+
+
+def rope_tables(
+    positions: torch.Tensor, dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [T, dim/2]`` fp32 for the given positions (default RoPE)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
+    )
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+# -- building blocks ---------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with a score-correction bias that only steers the choice."""
+
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        return ops.moe_gate(
+            logits,
+            self.e_score_correction_bias.float(),
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.routed_scaling_factor,
+            c.norm_topk_prob,
+            "sigmoid",
+        )
+
+
+class Experts(nn.Module):
+    """Routed experts as fused tensors: ``gate_up_proj [E, 2I, H]`` (gate rows first),
+    ``down_proj [E, H, I]``. ``scheme`` / ``group_size`` switch the grouped GEMMs to a
+    quantised (packed buffers ``*_q`` / ``*_scale``) or QAT (float weights) mode."""
+
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.width = i
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.scheme = "none"
+        self.group_size = 128
+
+    def _gemm(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        packed = getattr(self, name + "_q", None)
+        if packed is None:  # float weights: plain ("none") or fake-quantised (QAT)
+            return ops.grouped_gemm(
+                x, getattr(self, name), offsets, None, self.scheme, self.group_size
+            )
+        scale = getattr(self, name + "_scale")
+        return ops.grouped_gemm(x, packed, offsets, scale, self.scheme, self.group_size)
+
+    def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        h = self._gemm(x_sorted, "gate_up_proj", offsets)
+        return self._gemm(F.silu(h[:, : self.width]) * h[:, self.width :], "down_proj", offsets)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = MLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        x_sorted, offsets, src_row = ops.moe_dispatch(x, ids, self.config.n_routed_experts)
+        routed = ops.moe_combine(self.experts(x_sorted, offsets), src_row, weights)
+        return routed + self.shared_experts(x)
+
+
+class Indexer(nn.Module):
+    """DSA's lightning indexer: scores every visible key, keeps the top ``index_topk``."""
+
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.config = config
+        d, n = config.index_head_dim, config.index_n_heads
+        self.wq_b = nn.Linear(config.q_lora_rank, n * d, bias=False)
+        self.wk = nn.Linear(config.hidden_size, d, bias=False)
+        self.k_norm = nn.LayerNorm(d, eps=MLA_NORM_EPS)
+        self.weights_proj = nn.Linear(config.hidden_size, n, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.config.qk_rope_head_dim  # the FIRST r dims rotate (main attention: the last)
+        rotated = ops.rope(x[..., :r].contiguous(), cos, sin, self.config.indexer_rope_interleave)
+        return torch.cat((rotated, x[..., r:]), dim=-1)
+
+    def keys(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``[T, index_head_dim]`` rotated keys (what the indexer cache stores)."""
+        return self._rope(self.k_norm(self.wk(h)), cos, sin)
+
+    def select(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
+        """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible)."""
+        c = self.config
+        q = self.wq_b(q_res).view(h.shape[0], c.index_n_heads, c.index_head_dim)
+        q = self._rope(q, cos, sin)
+        # relu is positively homogeneous: fold both scales into the per-head weights.
+        scale = (c.index_n_heads * c.index_head_dim) ** -0.5
+        weights = self.weights_proj(h).float() * scale
+        with torch.no_grad():  # a selection, not a differentiable quantity
+            indices, _ = ops.lightning_indexer(
+                q.detach(), keys.detach(), weights.detach(), k_start, k_end, c.index_topk
+            )
+        return indices
+
+
+@dataclass
+class MLAProjections:
+    """One layer's projections of ``T`` tokens."""
+
+    q_nope: torch.Tensor  # [T, H, nope]
+    q_pe: torch.Tensor  # [T, H, rope], rotated
+    q_res: torch.Tensor  # [T, q_lora], the normalised query latent (indexer input)
+    latent: torch.Tensor  # [T, kv_lora + rope]: normalised c_kv | rotated k_pe (the cache entry)
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention with DSA; non-absorbed over a packed batch, absorbed
+    (``[T, H, kv_lora + rope]`` queries over the latent cache) when decoding."""
+
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, MLA_NORM_EPS)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, MLA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, h, bias=bias)
+        self.indexer = Indexer(config)
+        self.scale = c.qk_head_dim**-0.5
+
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjections:
+        c = self.config
+        t = h.shape[0]
+        q_res = self.q_a_layernorm(self.q_a_proj(h))
+        q = self.q_b_proj(q_res).view(t, c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        kv = self.kv_a_proj_with_mqa(h)
+        c_kv = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
+        k_pe = ops.rope(kv[:, None, c.kv_lora_rank :].contiguous(), cos, sin, True)
+        q_pe = ops.rope(q_pe.contiguous(), cos, sin, True)
+        return MLAProjections(q_nope, q_pe, q_res, torch.cat((c_kv, k_pe[:, 0]), dim=-1))
+
+    def _kv_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj`` split per head: ``W_UK [H, nope, kv_lora]``, ``W_UV [H, v, kv_lora]``."""
+        c = self.config
+        w = self.kv_b_proj.weight.view(
+            c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
+        )
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    def forward(
+        self, h: torch.Tensor, batch: Packed, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Non-absorbed attention over the packed batch itself (prefill, training)."""
+        c = self.config
+        p = self.project(h, cos, sin)
+        keys = self.indexer.keys(h, cos, sin)
+        indices = self.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
+        t = h.shape[0]
+        kv = self.kv_b_proj(p.latent[:, : c.kv_lora_rank]).view(t, c.num_attention_heads, -1)
+        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
+        k_pe = p.latent[:, None, c.kv_lora_rank :].expand(
+            t, c.num_attention_heads, c.qk_rope_head_dim
+        )
+        q = torch.cat((p.q_nope, p.q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        out, _ = ops.sparse_attention(q, k, v.contiguous(), indices, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+    def attend_latent(
+        self, p: MLAProjections, latent_cache: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Absorbed attention: queries ``[T, H, kv_lora + rope]`` over the latent cache
+        ``[N, kv_lora + rope]`` at physical ``slots [T, K]`` (``-1``: none)."""
+        c = self.config
+        w_uk, w_uv = self._kv_up()
+        q_lat = torch.einsum("thn,hnc->thc", p.q_nope, w_uk)
+        q = torch.cat((q_lat, p.q_pe), dim=-1)
+        kv = latent_cache[:, None, :]
+        out_lat, _ = ops.sparse_attention(q, kv, kv[..., : c.kv_lora_rank], slots, self.scale)
+        out = torch.einsum("thc,hvc->thv", out_lat, w_uv)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: GlmMoeDsaConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = config.is_moe_layer(index)
+        self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, batch: Packed, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction: from the hidden state at position ``i`` and the
+    embedding of token ``i+1``, predict token ``i+2`` (applied recursively to draft).
+
+    Keys as in GLM-5 checkpoints (``model.layers.{num_hidden_layers}.*``): ``enorm``,
+    ``hnorm``, ``eh_proj`` (embedding half first), its own ``embed_tokens`` and
+    ``shared_head.{norm,head}``, and a full decoder layer."""
+
+    def __init__(self, config: GlmMoeDsaConfig, index: int) -> None:
+        super().__init__(config, index)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def fuse(self, h_prev: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        e = self.enorm(self.embed_tokens(next_ids))
+        return self.eh_proj(torch.cat((e, self.hnorm(h_prev)), dim=-1))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(x))
+
+
+class GlmMoeDsaModel(nn.Module):
+    def __init__(self, config: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers: list[nn.Module] = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        n = config.num_hidden_layers
+        layers += [MTPLayer(config, n + i) for i in range(config.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers[: self.config.num_hidden_layers])
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.layers[self.config.num_hidden_layers :])
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(positions, self.config.qk_rope_head_dim, self.config.rope_theta)
+
+    def forward(self, batch: Packed) -> torch.Tensor:
+        """Last-layer hidden states ``[T, hidden]`` of the packed tokens (before the norm)."""
+        cos, sin = self.rope(batch.positions)
+        x = self.embed_tokens(batch.ids)
+        for layer in self.decoder_layers:
+            x = layer(x, batch, cos, sin)
+        return x
+
+
+@dataclass
+class CausalLMOutput:
+    """``logits [B, S, V]`` (zeros at padding) and the last hidden states ``[B, S, H]``
+    before the final norm (the MTP layer's input)."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor
+    loss: torch.Tensor | None = None
