@@ -113,7 +113,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         for key, value in state.items():
             if tuple(value.shape) != tuple(own[key].shape):
                 raise ConfigError(
-                    f"checkpoint tensor {key} has shape {list(value.shape)}, expected {list(own[key].shape)}"
+                    f"checkpoint tensor {key} has shape {list(value.shape)}, "
+                    f"expected {list(own[key].shape)}"
                 )
         self.load_state_dict(state, assign=True)
 

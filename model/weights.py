@@ -58,7 +58,8 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             got = sorted(kinds.get(kind, {}))
             if got != list(range(count)):
                 raise ConfigError(
-                    f"checkpoint experts under {prefix}: {kind} has experts {got[:8]}..., expected 0..{count - 1}"
+                    f"checkpoint experts under {prefix}: {kind} has experts {got[:8]}..., "
+                    f"expected 0..{count - 1}"
                 )
         stack = {k: torch.stack([kinds[k][e] for e in range(count)]) for k in kinds}
         out[f"{prefix}.gate_up_proj"] = torch.cat((stack["gate_proj"], stack["up_proj"]), dim=1)
