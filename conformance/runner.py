@@ -28,7 +28,8 @@ from .cases import FLOATS, Case, all_cases
 from .judges import JUDGES, Verdict, close
 
 OUTCOMES = ("pass", "fail", "unsupported", "skipped", "error")
-KINDS = ("value", "determinism", "gradient", "bad_input", "opcheck")
+KINDS = ("value", "determinism", "gradient", "bad_input", "opcheck", "model")
+MODEL_OP = "model"  # the model-level check's name in reports (not an op)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,15 @@ def suite_checks(*, full: bool = False, ops: tuple[str, ...] | None = None) -> l
             checks += [Check("gradient", c) for c in grad_cases]
         checks.append(Check("opcheck", tiny))
         checks += [Check("bad_input", tiny, b) for b in BAD_INPUTS if b.op == op]
+    if ops is None:
+        checks += [Check("model", _model_case(d)) for d in (torch.float32, torch.bfloat16)]
     return checks
+
+
+def _model_case(dtype: torch.dtype) -> Case:
+    return Case(
+        MODEL_OP, "tiny_glm5_token_logprobs", "model", dtype, build=lambda g: (), judge="model"
+    )
 
 
 def _device(op: str) -> torch.device:
@@ -145,8 +154,9 @@ def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Rec
     start = time.perf_counter()
     try:
         with use_backend(backend, emulate=emulate):
-            rec.ran_on = resolve(c.op).backend
-            verdict = _RUNNERS[check.kind](check, _device(c.op))
+            rec.ran_on = backend if c.op == MODEL_OP else resolve(c.op).backend
+            op_for_device = "sparse_attention" if c.op == MODEL_OP else c.op
+            verdict = _RUNNERS[check.kind](check, _device(op_for_device), backend)
         rec.outcome = "pass" if verdict.ok else "fail"
         rec.reason, rec.metrics, rec.tolerance = verdict.reason, verdict.metrics, verdict.tolerance
     except UnsupportedError as err:
@@ -159,7 +169,7 @@ def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Rec
     return rec
 
 
-def _value(check: Check, device: torch.device) -> Verdict:
+def _value(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
     args = c.args()
     outs = _cpu(_call(c.op, _to(args, device)))
@@ -170,7 +180,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8)
 
 
-def _determinism(check: Check, device: torch.device) -> Verdict:
+def _determinism(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
     args = _to(c.args(), device)
     first, second = _call(c.op, args), _call(c.op, args)
@@ -182,7 +192,7 @@ def _determinism(check: Check, device: torch.device) -> Verdict:
     return Verdict(True)
 
 
-def _gradient(check: Check, device: torch.device) -> Verdict:
+def _gradient(check: Check, device: torch.device, backend: str) -> Verdict:
     """Gradients of ``sum(out * cotangent)`` through the backend against float64
     reference gradients (the autograd of the float64 reference, or the spec's closed
     form for ops whose backward is straight-through)."""
@@ -248,7 +258,7 @@ def _reference_grads(op, args, wanted, outs, cots):
     ]
 
 
-def _bad_input(check: Check, device: torch.device) -> Verdict:
+def _bad_input(check: Check, device: torch.device, backend: str) -> Verdict:
     bad = check.bad
     spec = SPECS[bad.op]
     args = list(_to(check.case.args(), device))
@@ -267,7 +277,7 @@ def _bad_input(check: Check, device: torch.device) -> Verdict:
     return Verdict(False, f"accepted a malformed '{bad.arg}' without an error")
 
 
-def _opcheck(check: Check, device: torch.device) -> Verdict:
+def _opcheck(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
     spec = SPECS[c.op]
     args = list(_to(c.args(), device))
@@ -290,10 +300,17 @@ def _opcheck(check: Check, device: torch.device) -> Verdict:
     return Verdict(True)
 
 
+def _model(check: Check, device: torch.device, backend: str) -> Verdict:
+    from .model_case import run_model_check
+
+    return run_model_check(check.case.dtype, backend, device)
+
+
 _RUNNERS = {
     "value": _value,
     "determinism": _determinism,
     "gradient": _gradient,
     "bad_input": _bad_input,
     "opcheck": _opcheck,
+    "model": _model,
 }

@@ -178,3 +178,23 @@ def test_an_unavailable_backend_is_skipped_with_its_reason():
 
 def test_float_weight_scheme_name_is_not_a_quant_scheme():
     assert FLOAT_WEIGHT not in SCHEMES
+
+
+def test_the_model_level_check_measures_the_mismatch_a_wrong_kernel_causes():
+    # Early tokens see fewer than index_topk keys: their -1 entries read a wrong slot.
+    glmport.register_backend(_Broken("reads_minus_one", {"sparse_attention": _ignores_minus_one}))
+    try:
+        records = [run_check(c, "reads_minus_one") for c in suite_checks() if c.kind == "model"]
+    finally:
+        glmport.unregister_backend("reads_minus_one")
+    assert [r.dtype for r in records] == ["float32", "bfloat16"]
+    for r in records:
+        assert r.outcome == "fail" and r.op == "model", (r.outcome, r.reason)
+        assert r.metrics["mean_abs_dlogp"] > 0.1 and r.metrics["icepop_pop_fraction"] > 0
+
+
+def test_the_model_level_check_passes_the_reference_and_generic():
+    for backend in ("cpu", "generic"):
+        for r in [run_check(c, backend) for c in suite_checks() if c.kind == "model"]:
+            assert r.outcome == "pass", (backend, r.reason)
+            assert r.metrics["max_abs_dlogp"] <= 1e-3
