@@ -67,6 +67,20 @@ def _causal_ranges(t: int, n: int, starts: list[int] | None = None):
     return start, end
 
 
+def _per_dtype(op, name, family, params: dict, make, dtypes=FLOATS, **fields) -> Iterator[Case]:
+    """One case per input dtype of a ``make(gen, dtype) -> args`` builder."""
+    for dtype in dtypes:
+        yield Case(
+            op,
+            name,
+            family,
+            dtype,
+            build=lambda g, dtype=dtype: make(g, dtype),
+            params=tuple(sorted(params.items())),
+            **fields,
+        )
+
+
 # -- attention ---------------------------------------------------------------------
 
 
@@ -140,17 +154,7 @@ def attention_cases() -> Iterator[Case]:
         ),
     ]
     for name, family, p, full in shapes:
-        for dtype in FLOATS:
-            make = _attention(**p)
-            yield Case(
-                "sparse_attention",
-                name,
-                family,
-                dtype,
-                build=lambda g, make=make, dtype=dtype: make(g, dtype),
-                params=tuple(sorted(p.items())),
-                full_only=full,
-            )
+        yield from _per_dtype("sparse_attention", name, family, p, _attention(**p), full_only=full)
 
 
 # -- indexer -----------------------------------------------------------------------
@@ -203,29 +207,15 @@ def indexer_cases() -> Iterator[Case]:
     ]
     for name, family, p in shapes:
         full = name.endswith("_long")
-        for dtype in FLOATS:
-            make = _indexer(**p)
-            yield Case(
-                "lightning_indexer",
-                name,
-                family,
-                dtype,
-                build=lambda g, make=make, dtype=dtype: make(g, dtype),
-                params=tuple(sorted(p.items())),
-                judge="indexer",
-                full_only=full,
-            )
+        yield from _per_dtype(
+            "lightning_indexer", name, family, p, _indexer(**p), judge="indexer", full_only=full
+        )
         if family != "glm5" or not full:
-            make = _indexer(**p, fp8=True)
-            yield Case(
-                "lightning_indexer",
-                name,
-                family,
-                FP8_DTYPE,
-                build=lambda g, make=make: make(g, torch.float32),
-                params=tuple(sorted(p.items())),
-                judge="indexer",
-            )
+            fp8 = _indexer(**p, fp8=True)  # quantises fp32 data itself
+            yield from _per_dtype(
+                "lightning_indexer", name, family, p, lambda g, _, fp8=fp8: fp8(g, torch.float32),
+                dtypes=(FP8_DTYPE,), judge="indexer",
+            )  # fmt: skip
     for name, family, p in [
         shapes[0],
         shapes[5],
@@ -298,28 +288,18 @@ def moe_cases() -> Iterator[Case]:
         ("t1", "edge", dict(t=1, k=8, e=256, d=16)),
     ]
     for name, family, p in routes:
-        for dtype in FLOATS:
-            make = routing(**p)
-            yield Case(
-                "moe_dispatch",
-                name,
-                family,
-                dtype,
-                build=lambda g, make=make, dtype=dtype: make(g, dtype),
-                params=tuple(sorted(p.items())),
-                judge="exact",
-            )
-
-            def combine(g, dtype=dtype, p=p):
-                rows = p["t"] * p["k"]
-                y = _randn(g, rows, p["d"], dtype=dtype)
-                src = torch.randperm(rows, generator=g).to(torch.int32)
-                return y, src, torch.rand(p["t"], p["k"], generator=g)
-
-            yield Case(
-                "moe_combine", name, family, dtype, build=combine, params=tuple(sorted(p.items()))
-            )
+        yield from _per_dtype("moe_dispatch", name, family, p, routing(**p), judge="exact")
+        yield from _per_dtype("moe_combine", name, family, p, _combine(**p))
     yield from _grouped_cases()
+
+
+def _combine(t, k, e, d):
+    def build(gen, dtype):
+        y = _randn(gen, t * k, d, dtype=dtype)
+        src = torch.randperm(t * k, generator=gen).to(torch.int32)
+        return y, src, torch.rand(t, k, generator=gen)
+
+    return build
 
 
 def _offsets(gen, m, e, empty=()):
@@ -355,29 +335,12 @@ def _grouped_cases() -> Iterator[Case]:
         ("glm5_reduced", "glm5", dict(m=512, e=256, n=64, k=256)),
     ]
     for name, family, p in shapes:
-        for dtype in FLOATS:
-            make = _grouped(**p)
-            yield Case(
-                "grouped_gemm",
-                name,
-                family,
-                dtype,
-                build=lambda g, make=make, dtype=dtype: make(g, dtype),
-                params=tuple(sorted(p.items())),
-                judge="gemm",
-            )
+        yield from _per_dtype("grouped_gemm", name, family, p, _grouped(**p), judge="gemm")
         for scheme in SCHEMES:
-            make = _grouped(**p, scheme=scheme, group_size=32)
-            yield Case(
-                "grouped_gemm",
-                name,
-                family,
-                torch.bfloat16,
-                build=lambda g, make=make: make(g, torch.bfloat16),
-                scheme=scheme,
-                params=tuple(sorted(p.items())),
-                judge="gemm",
-            )
+            yield from _per_dtype(
+                "grouped_gemm", name, family, p, _grouped(**p, scheme=scheme, group_size=32),
+                dtypes=(torch.bfloat16,), scheme=scheme, judge="gemm",
+            )  # fmt: skip
 
 
 # -- quantisation ------------------------------------------------------------------

@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from glmport.backends.cpu.quant import quantize  # the format definition itself
 from glmport.core.formats import (
     FP8_DTYPE,
     SCHEMES,
@@ -18,9 +19,7 @@ from glmport.core.formats import (
     unpack_int4,
 )
 
-
-def quantize(x, fmt, group_size=128):
-    return quantize_tensor(x, fmt, group_size)
+__all__ = ["quant_gemm", "quantize"]
 
 
 @functools.cache
