@@ -122,7 +122,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         """Write ``config.json`` and HF-named safetensors (per-expert keys)."""
         if any(name.endswith("_q") for name, _ in self.named_buffers()):
             raise ConfigError(
-                "save_pretrained writes float weights; this model holds packed quantised experts"
+                "save_pretrained writes float weights; this model holds packed quantised "
+                "weights (glmport.model.quantize): save the float model"
             )
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,15 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) ->
     return Packed(input_ids.reshape(-1)[flat], positions, k_start, k_end, flat, b, s)
 
 
+def visible_slots(k_start: torch.Tensor, k_end: torch.Tensor) -> torch.Tensor:
+    """Every slot of each query's range ``[k_start, k_end)`` as ``[T, max_len]`` int32
+    indices, ``-1`` past the range end: dense causal attention through
+    ``sparse_attention``."""
+    width = int((k_end - k_start).max()) if k_start.numel() else 0
+    slots = k_start[:, None] + torch.arange(width, dtype=torch.int32, device=k_start.device)
+    return torch.where(slots < k_end[:, None], slots, -1).to(torch.int32)
+
+
 def rope_tables(
     positions: torch.Tensor, dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,14 +206,22 @@ class Indexer(nn.Module):
         """``[T, index_head_dim]`` rotated keys (what the indexer cache stores)."""
         return self._rope(self.k_norm(self.wk(h)), cos, sin)
 
-    def select(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
-        """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible)."""
+    def queries(
+        self, h: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries ``[T, index_n_heads, index_head_dim]`` and fp32 per-head
+        weights ``[T, index_n_heads]`` (the ``q`` and ``weights`` of the indexer ops)."""
         c = self.config
         q = self.wq_b(q_res).view(h.shape[0], c.index_n_heads, c.index_head_dim)
         q = self._rope(q, cos, sin)
         # relu is positively homogeneous: fold both scales into the per-head weights.
         scale = (c.index_n_heads * c.index_head_dim) ** -0.5
-        weights = self.weights_proj(h).float() * scale
+        return q, self.weights_proj(h).float() * scale
+
+    def select(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
+        """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible)."""
+        c = self.config
+        q, weights = self.queries(h, q_res, cos, sin)
         with torch.no_grad():  # a selection, not a differentiable quantity
             indices, _ = ops.lightning_indexer(
                 q.detach(), keys.detach(), weights.detach(), k_start, k_end, c.index_topk
@@ -220,6 +237,23 @@ class MLAProjections:
     q_pe: torch.Tensor  # [T, H, rope], rotated
     q_res: torch.Tensor  # [T, q_lora], the normalised query latent (indexer input)
     latent: torch.Tensor  # [T, kv_lora + rope]: normalised c_kv | rotated k_pe (the cache entry)
+
+
+@dataclass
+class AttentionRecord:
+    """What one non-absorbed :meth:`Attention.forward` saw and computed, detached: the
+    inputs of the indexer's training loss (:mod:`glmport.model.training`)."""
+
+    h: torch.Tensor  # [T, hidden] the attention input (the indexer's ``h``)
+    q_res: torch.Tensor  # [T, q_lora] the indexer's query input
+    cos: torch.Tensor  # [T, rope / 2]
+    sin: torch.Tensor  # [T, rope / 2]
+    q: torch.Tensor  # [T, H, qk_head_dim] main-attention queries
+    k: torch.Tensor  # [T, H, qk_head_dim] main-attention keys
+    lse: torch.Tensor  # [T, H] fp32 log-sum-exp of the scaled scores over ``indices``
+    indices: torch.Tensor  # [T, K] int32 slots attended (-1: none)
+    k_start: torch.Tensor  # [T] int32
+    k_end: torch.Tensor  # [T] int32
 
 
 class Attention(nn.Module):
@@ -241,6 +275,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, h, bias=bias)
         self.indexer = Indexer(config)
         self.scale = c.qk_head_dim**-0.5
+        # Training switches (glmport.model.training), off by default: ``dense`` attends to
+        # every visible key (DSA's dense warm-up); a list in ``records`` collects an
+        # AttentionRecord per forward for the indexer's KL loss.
+        self.dense = False
+        self.records: list[AttentionRecord] | None = None
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjections:
         c = self.config
@@ -268,8 +307,11 @@ class Attention(nn.Module):
         """Non-absorbed attention over the packed batch itself (prefill, training)."""
         c = self.config
         p = self.project(h, cos, sin)
-        keys = self.indexer.keys(h, cos, sin)
-        indices = self.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
+        if self.dense:
+            indices = visible_slots(batch.k_start, batch.k_end)
+        else:
+            keys = self.indexer.keys(h, cos, sin)
+            indices = self.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
         t = h.shape[0]
         kv = self.kv_b_proj(p.latent[:, : c.kv_lora_rank]).view(t, c.num_attention_heads, -1)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
@@ -278,7 +320,10 @@ class Attention(nn.Module):
         )
         q = torch.cat((p.q_nope, p.q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        out, _ = ops.sparse_attention(q, k, v.contiguous(), indices, self.scale)
+        out, lse = ops.sparse_attention(q, k, v.contiguous(), indices, self.scale)
+        if self.records is not None:
+            d = [x.detach() for x in (h, p.q_res, cos, sin, q, k, lse)]
+            self.records.append(AttentionRecord(*d, indices, batch.k_start, batch.k_end))
         return self.o_proj(out.reshape(t, -1))
 
     def attend_latent(
