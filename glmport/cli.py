@@ -1,4 +1,5 @@
-"""The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``."""
+"""The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``,
+``glmport generate``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from glmport.core.environment import versions
-from glmport.core.errors import GlmportError
+from glmport.core.errors import ConfigError, GlmportError
 
 EXIT_CONFIG = 2
 
@@ -163,6 +164,82 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return int(pytest.main(pytest_args))
 
 
+def _parse_ids(text: str, flag: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"{flag} must be comma-separated integers such as 1,2,3, got {text!r}"
+        ) from None
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from contextlib import nullcontext
+    from pathlib import Path
+
+    import glmport
+    from glmport.model import GlmMoeDsaForCausalLM
+    from glmport.model.generation import generate
+
+    sampling = {
+        flag: value
+        for flag, value in (
+            ("--temperature", args.temperature),
+            ("--top-p", args.top_p),
+            ("--top-k", args.top_k),
+            ("--seed", args.seed),
+        )
+        if value is not None
+    }
+    if args.greedy and sampling:
+        raise ConfigError(f"--greedy cannot be combined with {', '.join(sampling)}")
+    input_ids = _parse_ids(args.input_ids, "--input-ids")
+    stop_tokens = _parse_ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens else []
+    if args.model == "tiny":
+        model = GlmMoeDsaForCausalLM.from_config("tiny", seed=0)
+    elif Path(args.model).is_dir():
+        model = GlmMoeDsaForCausalLM.from_pretrained(args.model)
+    else:
+        raise ConfigError(
+            f"--model must be 'tiny' or a checkpoint folder with config.json, got {args.model!r}"
+        )
+    with glmport.use_backend(args.backend) if args.backend else nullcontext():
+        result = generate(
+            model,
+            [input_ids],
+            args.max_new_tokens,
+            greedy=not sampling,
+            temperature=1.0 if args.temperature is None else args.temperature,
+            top_p=1.0 if args.top_p is None else args.top_p,
+            top_k=args.top_k or 0,
+            seed=args.seed,
+            stop_tokens=stop_tokens,
+            speculative=args.speculative,
+        )
+    report = {
+        "input_ids": input_ids,
+        "output_ids": result.output_ids[0],
+        "new_tokens": result.new_tokens,
+        "seconds": result.seconds,
+        "tokens_per_s": result.tokens_per_s,
+    }
+    if args.speculative:
+        report["acceptance_length"] = result.acceptance_length
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print("output_ids: " + ",".join(map(str, report["output_ids"])))
+    line = (
+        f"{result.new_tokens} new tokens in {result.seconds:.3f} s "
+        f"({result.tokens_per_s:.1f} tokens/s)"
+    )
+    if args.speculative and result.acceptance_length is not None:
+        line += f", mean acceptance length {result.acceptance_length:.2f}"
+    print(line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glmport",
@@ -189,6 +266,28 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("-n", dest="workers", default="auto", help="pytest-xdist workers (0: none)")
     conf.add_argument("--report-dir", default="conformance-report")
     conf.set_defaults(func=_cmd_conformance)
+
+    gen = sub.add_parser(
+        "generate",
+        help="continue a token id prompt with a GLM-5 model (greedy, sampled or speculative)",
+        description="Generate with the paged KV cache. Greedy by default; any of "
+        "--temperature, --top-p, --top-k, --seed switches to sampling.",
+    )
+    gen.add_argument(
+        "--model", required=True, help="'tiny' (random, seed 0) or a checkpoint folder"
+    )
+    gen.add_argument("--input-ids", required=True, help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--speculative", action="store_true", help="greedy MTP speculative decoding")
+    gen.add_argument("--stop-tokens", default=None, help="token ids that end generation, e.g. 1,2")
+    gen.add_argument("--backend", default=None, help="glmport backend (default: the selection)")
+    gen.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -1,0 +1,389 @@
+"""A paged KV cache for GLM-5 decoding and the cached forward step that uses it.
+
+Every cached layer keeps two pools of ``num_slots = num_blocks * block_size`` rows: the
+MLA latent ``[num_slots, kv_lora + rope]`` (normalised ``c_kv`` | rotated ``k_pe``, what
+absorbed attention reads) and the indexer keys ``[num_slots, index_head_dim]``. Slots
+are handed out in blocks from a free list; a sequence's block table maps its logical
+positions to physical slots, which need not be contiguous or ordered.
+
+A cached step (:func:`forward_cached`, :func:`mtp_forward_cached`) takes some new
+tokens for each of a batch of sequences (a whole prompt, one decoded token, or a run of
+draft tokens to verify), writes their latents and indexer keys into fresh slots, and
+attends over everything each sequence has cached. Rolling a sequence back
+(speculative decoding) is :meth:`PagedKVCache.truncate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from glmport.core.errors import ConfigError, GlmportError
+
+from .config import GlmMoeDsaConfig
+from .modeling import DecoderLayer
+
+if TYPE_CHECKING:
+    from .causal_lm import GlmMoeDsaForCausalLM
+
+
+class CacheCapacityError(GlmportError, RuntimeError):
+    """The paged cache has too few free blocks for a request."""
+
+
+class PagedKVCache:
+    """Latent and indexer-key pools for ``num_layers`` layers, shared by many sequences.
+
+    Args:
+        num_layers: cached layers (the decoder layers, or one MTP layer).
+        latent_dim: ``kv_lora_rank + qk_rope_head_dim``.
+        index_dim: ``index_head_dim``.
+        num_blocks: blocks in the pool; ``num_blocks * block_size`` slots per layer.
+        block_size: slots per block.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        latent_dim: int,
+        index_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("latent_dim", latent_dim),
+            ("index_dim", index_dim),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"PagedKVCache: {name} must be an int >= 1, got {value!r}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        self.latent = [
+            torch.zeros(slots, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.index_keys = [
+            torch.zeros(slots, index_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        # Popped from the end: a fresh cache hands out blocks 0, 1, 2, ...
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    @classmethod
+    def for_config(
+        cls,
+        config: GlmMoeDsaConfig,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> PagedKVCache:
+        """A cache sized for ``config``'s latent and indexer key widths."""
+        return cls(
+            num_layers,
+            config.kv_lora_rank + config.qk_rope_head_dim,
+            config.index_head_dim,
+            num_blocks,
+            block_size,
+            dtype=dtype,
+            device=device,
+        )
+
+    # -- bookkeeping -----------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.latent)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def add_sequence(self) -> int:
+        """Register an empty sequence; returns its id."""
+        seq = self._next_id
+        self._next_id += 1
+        self._tables[seq] = []
+        self._lengths[seq] = 0
+        return seq
+
+    def _check(self, seq: int) -> None:
+        if seq not in self._tables:
+            raise ConfigError(f"PagedKVCache: unknown sequence id {seq!r}")
+
+    def length(self, seq: int) -> int:
+        """Tokens cached for ``seq``."""
+        self._check(seq)
+        return self._lengths[seq]
+
+    def block_table(self, seq: int) -> list[int]:
+        """Physical block ids of ``seq``, in logical order."""
+        self._check(seq)
+        return list(self._tables[seq])
+
+    def blocks_needed(self, seq: int, n: int) -> int:
+        """New blocks that appending ``n`` tokens to ``seq`` would take."""
+        total = -(-(self.length(seq) + n) // self.block_size)
+        return max(0, total - len(self._tables[seq]))
+
+    def slots(self, seq: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Physical slots ``[end - start]`` int64 of logical positions ``[start, end)``."""
+        length = self.length(seq)
+        end = length if end is None else end
+        if not 0 <= start <= end <= length:
+            raise ConfigError(
+                f"PagedKVCache: positions [{start}, {end}) are outside sequence {seq} "
+                f"of length {length}"
+            )
+        pos = torch.arange(start, end)
+        table = torch.tensor(self._tables[seq], dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def append(self, seq: int, n: int) -> torch.Tensor:
+        """Extend ``seq`` by ``n`` tokens; returns their physical slots ``[n]`` int64.
+
+        Raises :class:`CacheCapacityError` (and changes nothing) when the free list is short.
+        """
+        return self.append_batch([seq], [n])[0]
+
+    def append_batch(self, seqs: Sequence[int], counts: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`append` for several sequences, all or nothing."""
+        for seq, n in zip(seqs, counts, strict=True):
+            if not isinstance(n, int) or n < 0:
+                raise ConfigError(f"PagedKVCache: token count must be an int >= 0, got {n!r}")
+            self._check(seq)
+        if len(set(seqs)) != len(seqs):
+            raise ConfigError(f"PagedKVCache: a sequence appears twice in {list(seqs)}")
+        needed = sum(self.blocks_needed(s, n) for s, n in zip(seqs, counts, strict=True))
+        if needed > len(self._free):
+            raise CacheCapacityError(
+                f"paged KV cache is full: {sum(counts)} new tokens need {needed} more blocks "
+                f"of {self.block_size} slots, {len(self._free)} of {self.num_blocks} are free; "
+                "free finished sequences or build the cache with more blocks"
+            )
+        out = []
+        for seq, n in zip(seqs, counts, strict=True):
+            self._tables[seq] += [self._free.pop() for _ in range(self.blocks_needed(seq, n))]
+            start = self._lengths[seq]
+            self._lengths[seq] = start + n
+            out.append(self.slots(seq, start))
+        return out
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep the first ``length`` tokens of ``seq`` (speculative rollback); blocks no
+        longer needed go back to the free list."""
+        if not isinstance(length, int) or not 0 <= length <= self.length(seq):
+            raise ConfigError(
+                f"PagedKVCache: cannot truncate sequence {seq} of length "
+                f"{self.length(seq)} to {length!r}"
+            )
+        keep = -(-length // self.block_size)
+        table = self._tables[seq]
+        self._free += reversed(table[keep:])
+        del table[keep:]
+        self._lengths[seq] = length
+
+    def free(self, seq: int) -> None:
+        """Release all of ``seq``'s blocks and forget it."""
+        self.truncate(seq, 0)
+        del self._tables[seq], self._lengths[seq]
+
+
+# -- the cached forward step ---------------------------------------------------------
+
+
+@dataclass
+class StepOutput:
+    """A cached step's result.
+
+    ``logits``: ``[T, V]`` for every new token, or ``[B, V]`` for each sequence's last
+    new token only (``last_only``). ``hidden``: ``[T, hidden]`` pre-norm hidden states
+    of every new token (the MTP layer's input). ``counts``: new tokens per sequence, in
+    batch order (``hidden`` rows are grouped by sequence).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    counts: list[int]
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-sequence views of a ``[T, ...]`` tensor (such as ``hidden``)."""
+        return x.split(self.counts)
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last row ``[B, ...]`` of a ``[T, ...]`` tensor."""
+        return x[torch.tensor(self.counts, device=x.device).cumsum(0) - 1]
+
+
+@dataclass
+class _Plan:
+    """Where a step's ``T`` new tokens go and what each may see.
+
+    ``new_slots [T]``: physical slots written. ``key_slots [sum L]``: every cached token
+    of every sequence, sequence after sequence in logical order (the packed indexer
+    keys are gathered from these). ``k_start / k_end [T]`` int32: each query's causal
+    range in that packed order. ``last [B]``: each sequence's last new token in ``T``.
+    """
+
+    new_slots: torch.Tensor
+    key_slots: torch.Tensor
+    k_start: torch.Tensor
+    k_end: torch.Tensor
+    last: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _plan(
+    cache: PagedKVCache,
+    seqs: Sequence[int],
+    counts: list[int],
+    rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+) -> _Plan:
+    """Allocate slots for ``counts`` new tokens of each of ``seqs`` and lay out the step."""
+    if not seqs or any(n < 1 for n in counts):
+        raise ConfigError(f"a cached step needs >= 1 new token per sequence, got {counts}")
+    starts = [cache.length(s) for s in seqs]
+    new_slots = cache.append_batch(seqs, counts)
+    positions, key_slots, k_start, k_end = [], [], [], []
+    offset = 0
+    for seq, start, n in zip(seqs, starts, counts, strict=True):
+        pos = torch.arange(start, start + n)
+        positions.append(pos)
+        key_slots.append(cache.slots(seq))
+        k_start.append(torch.full((n,), offset))
+        k_end.append(offset + pos + 1)
+        offset += start + n
+    cos, sin = rope(torch.cat(positions).to(device))
+    return _Plan(
+        new_slots=torch.cat(new_slots).to(device),
+        key_slots=torch.cat(key_slots).to(device),
+        k_start=torch.cat(k_start).to(device, torch.int32),
+        k_end=torch.cat(k_end).to(device, torch.int32),
+        last=(torch.tensor(counts).cumsum(0) - 1).to(device),
+        cos=cos,
+        sin=sin,
+    )
+
+
+def _layer_step(
+    layer: DecoderLayer, x: torch.Tensor, cache: PagedKVCache, index: int, plan: _Plan
+) -> torch.Tensor:
+    """``DecoderLayer.forward`` for new tokens ``x [T, hidden]`` over cache layer ``index``."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    p = attn.project(h, plan.cos, plan.sin)
+    latent, keys = cache.latent[index], cache.index_keys[index]
+    latent[plan.new_slots] = p.latent.to(latent.dtype)
+    keys[plan.new_slots] = attn.indexer.keys(h, plan.cos, plan.sin).to(keys.dtype)
+    # The indexer sees each sequence's keys packed in logical order, so its ranges are
+    # contiguous and its ties break by position exactly as in the uncached forward.
+    packed = keys[plan.key_slots]
+    picked = attn.indexer.select(h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end)
+    slots = torch.where(picked >= 0, plan.key_slots[picked.long().clamp_min(0)], -1)
+    x = x + attn.attend_latent(p, latent, slots)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _as_ids(
+    new_ids: Sequence[Sequence[int] | torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], list[int]]:
+    rows = [torch.as_tensor(t, dtype=torch.long, device=device).reshape(-1) for t in new_ids]
+    return rows, [int(r.numel()) for r in rows]
+
+
+@torch.no_grad()
+def forward_cached(
+    model: GlmMoeDsaForCausalLM,
+    cache: PagedKVCache,
+    seqs: Sequence[int],
+    new_ids: Sequence[Sequence[int] | torch.Tensor],
+    *,
+    last_only: bool = False,
+) -> StepOutput:
+    """One cached step of a :class:`~glmport.model.GlmMoeDsaForCausalLM`.
+
+    Args:
+        model: the causal LM.
+        cache: its cache, one layer per decoder layer.
+        seqs: ``B`` sequence ids of ``cache``.
+        new_ids: ``B`` runs of new token ids (``>= 1`` each), continuing each sequence
+            at its cached length.
+        last_only: return logits of each sequence's last new token only.
+
+    Returns:
+        :class:`StepOutput`; the new tokens stay cached.
+    """
+    if cache.num_layers != model.config.num_hidden_layers:
+        raise ConfigError(
+            f"forward_cached: the cache has {cache.num_layers} layers, the model "
+            f"{model.config.num_hidden_layers} decoder layers"
+        )
+    device = model.lm_head.weight.device
+    rows, counts = _as_ids(new_ids, device)
+    plan = _plan(cache, seqs, counts, model.model.rope, device)
+    x = model.model.embed_tokens(torch.cat(rows))
+    for i, layer in enumerate(model.model.decoder_layers):
+        x = _layer_step(layer, x, cache, i, plan)
+    out = x[plan.last] if last_only else x
+    return StepOutput(model.lm_head(model.model.norm(out)), x, counts)
+
+
+@torch.no_grad()
+def mtp_forward_cached(
+    model: GlmMoeDsaForCausalLM,
+    cache: PagedKVCache,
+    seqs: Sequence[int],
+    h_prev: torch.Tensor,
+    next_ids: Sequence[Sequence[int] | torch.Tensor],
+    *,
+    layer: int = 0,
+    last_only: bool = False,
+) -> StepOutput:
+    """One cached step of MTP layer ``layer``: the entry at position ``i`` fuses a
+    hidden state for position ``i`` with the embedding of token ``i + 1`` and predicts
+    token ``i + 2``.
+
+    Args:
+        model: the causal LM.
+        cache: that MTP layer's own one-layer cache.
+        seqs: ``B`` sequence ids of ``cache``.
+        h_prev: ``[T, hidden]`` pre-norm hidden states (the main model's, or this
+            layer's own output when drafting recursively), grouped by sequence.
+        next_ids: ``B`` runs of the following tokens, one per row of ``h_prev``.
+        last_only: return logits of each sequence's last new entry only.
+
+    Returns:
+        :class:`StepOutput` with the MTP logits and this layer's output hidden states.
+    """
+    if cache.num_layers != 1:
+        raise ConfigError(f"mtp_forward_cached: expected a one-layer cache, got {cache.num_layers}")
+    mtp = model.model.mtp_layers[layer]
+    device = model.lm_head.weight.device
+    rows, counts = _as_ids(next_ids, device)
+    if sum(counts) != h_prev.shape[0]:
+        raise ConfigError(
+            f"mtp_forward_cached: {sum(counts)} next tokens for {h_prev.shape[0]} hidden states"
+        )
+    plan = _plan(cache, seqs, counts, model.model.rope, device)
+    x = _layer_step(mtp, mtp.fuse(h_prev, torch.cat(rows)), cache, 0, plan)
+    out = x[plan.last] if last_only else x
+    return StepOutput(mtp.logits(out), x, counts)

@@ -1,0 +1,359 @@
+"""Batched generation with the paged KV cache: greedy or sampled, stop tokens, and
+greedy speculative decoding with the MTP layer as the drafter.
+
+Speculative decoding (greedy only) drafts up to :data:`NUM_DRAFT` tokens per step with
+the first MTP layer applied recursively, verifies them all in one cached step of the
+main model, and keeps the longest prefix that matches the main model's own greedy
+choices plus its next token, so its output is plain greedy decoding's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from glmport.core.errors import ConfigError
+
+from .cache import PagedKVCache, forward_cached, mtp_forward_cached
+
+if TYPE_CHECKING:
+    from .causal_lm import GlmMoeDsaForCausalLM
+
+NUM_DRAFT = 3  # GLM-5 drafts 3 tokens with its one MTP layer
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` produced.
+
+    ``output_ids``: the new tokens of each prompt, in prompt order, ending at (and
+    including) a stop token or after ``max_new_tokens``. ``seconds`` is
+    ``prefill_seconds + decode_seconds``; ``tokens_per_s`` counts new tokens over it.
+    ``acceptance_length``: speculative only, the mean over verification steps with at
+    least one draft of (accepted drafts + 1), i.e. tokens gained per main-model step.
+    """
+
+    output_ids: list[list[int]]
+    new_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    seconds: float
+    tokens_per_s: float
+    acceptance_length: float | None = None
+    verify_steps: int = 0
+
+
+class Sampler:
+    """Next-token choice from logits ``[B, V]``: argmax, or temperature / top-k / top-p
+    sampling with a ``torch.Generator`` seeded by ``seed`` (``None``: torch's global RNG).
+    """
+
+    def __init__(
+        self,
+        greedy: bool,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int | None,
+        device: torch.device,
+    ) -> None:
+        self.greedy, self.temperature, self.top_p, self.top_k = greedy, temperature, top_p, top_k
+        self.gen = None
+        if seed is not None:
+            self.gen = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B]`` int64 token ids."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        x = logits.float() / self.temperature
+        if self.top_k:
+            kth = x.topk(min(self.top_k, x.shape[-1]), dim=-1).values[:, -1:]
+            x = x.masked_fill(x < kth, -math.inf)
+        if self.top_p < 1.0:
+            order = x.argsort(dim=-1, descending=True)
+            probs = x.gather(-1, order).softmax(dim=-1)
+            # Keep the smallest head of the ranking whose mass reaches top_p (the best
+            # token always stays).
+            drop = probs.cumsum(dim=-1) - probs >= self.top_p
+            x = x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+        return torch.multinomial(x.softmax(dim=-1), 1, generator=self.gen).squeeze(1)
+
+
+def _validate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    greedy: bool,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    stop_tokens: Sequence[int],
+    speculative: bool,
+) -> None:
+    vocab = model.config.vocab_size
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ConfigError("prompts must be a non-empty list of token id lists")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:
+            raise ConfigError(f"prompt {i} must be a non-empty list of token ids, got {prompt!r}")
+        bad = [t for t in prompt if not is_int(t) or not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        limit = model.config.max_position_embeddings
+        if len(prompt) + max_new_tokens > limit:
+            raise ConfigError(
+                f"prompt {i} ({len(prompt)} tokens) + max_new_tokens {max_new_tokens} "
+                f"exceeds max_position_embeddings {limit}"
+            )
+    bad = [t for t in stop_tokens if not is_int(t) or not 0 <= t < vocab]
+    if bad:
+        raise ConfigError(f"stop_tokens outside [0, {vocab}): {bad[:5]}")
+    if not greedy and not (isinstance(temperature, (int, float)) and 0 < temperature < math.inf):
+        raise ConfigError(
+            f"temperature must be finite and > 0 when sampling, got {temperature!r} "
+            "(use greedy=True for argmax decoding)"
+        )
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ConfigError(f"top_p must lie in (0, 1], got {top_p!r}")
+    if not is_int(top_k) or top_k < 0:
+        raise ConfigError(f"top_k must be an int >= 0 (0: no top-k filter), got {top_k!r}")
+    if speculative and not greedy:
+        raise ConfigError("speculative decoding is greedy only; pass greedy=True")
+    if speculative and not model.config.num_nextn_predict_layers:
+        raise ConfigError("speculative decoding needs an MTP layer; this model has none")
+
+
+class _Run:
+    """Per-prompt outputs and the stop / length rule shared by both decoding loops."""
+
+    def __init__(self, n: int, max_new_tokens: int, stop_tokens: Sequence[int]) -> None:
+        self.out: list[list[int]] = [[] for _ in range(n)]
+        self.max_new = max_new_tokens
+        self.stop = set(stop_tokens)
+
+    def emit(self, b: int, tokens: Sequence[int]) -> bool:
+        """Append ``tokens`` to prompt ``b`` up to a stop token or the length limit;
+        returns whether ``b`` is finished."""
+        for t in tokens:
+            self.out[b].append(t)
+            if t in self.stop or len(self.out[b]) == self.max_new:
+                return True
+        return False
+
+
+def generate(
+    model: GlmMoeDsaForCausalLM,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] = (),
+    speculative: bool = False,
+    block_size: int = 16,
+) -> GenerationResult:
+    """Continue each prompt by up to ``max_new_tokens`` tokens.
+
+    Args:
+        model: a :class:`~glmport.model.GlmMoeDsaForCausalLM`.
+        prompts: ``B`` non-empty lists of token ids (lengths may differ).
+        max_new_tokens: new tokens per prompt at most (``0``: none).
+        greedy: argmax decoding; else sampling with ``temperature`` (``> 0``), ``top_k``
+            (``0``: off) and nucleus ``top_p`` (``1``: off).
+        seed: seeds the sampling generator (same seed, same output).
+        stop_tokens: a sequence ends after emitting one of these; the others continue.
+        speculative: greedy MTP speculative decoding (same output as greedy).
+        block_size: slots per paged-cache block.
+
+    Returns:
+        :class:`GenerationResult`.
+    """
+    stop_tokens = tuple(stop_tokens)
+    _validate(
+        model, prompts, max_new_tokens, greedy, temperature, top_p, top_k, stop_tokens, speculative
+    )
+    prompts = [list(p) for p in prompts]
+    run = _Run(len(prompts), max_new_tokens, stop_tokens)
+    if max_new_tokens == 0:
+        return GenerationResult(run.out, 0, 0.0, 0.0, 0.0, 0.0)
+    weight = model.lm_head.weight
+    # The main cache never holds more than prompt + max_new_tokens - 1 tokens of a
+    # sequence (the last new token is not fed back), the MTP cache fewer still.
+    blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+
+    def new_cache(layers: int) -> PagedKVCache:
+        return PagedKVCache.for_config(
+            model.config, layers, blocks, block_size, dtype=weight.dtype, device=weight.device
+        )
+
+    sampler = Sampler(greedy, temperature, top_p, top_k, seed, weight.device)
+    t0 = time.perf_counter()
+    if speculative:
+        accepted, steps, t1 = _speculative(model, prompts, run, new_cache)
+    else:
+        accepted, steps, t1 = 0, 0, _plain(model, prompts, run, new_cache, sampler)
+    t2 = time.perf_counter()
+    n = sum(len(o) for o in run.out)
+    return GenerationResult(
+        output_ids=run.out,
+        new_tokens=n,
+        prefill_seconds=t1 - t0,
+        decode_seconds=t2 - t1,
+        seconds=t2 - t0,
+        tokens_per_s=n / (t2 - t0) if t2 > t0 else 0.0,
+        acceptance_length=(accepted / steps if steps else None) if speculative else None,
+        verify_steps=steps,
+    )
+
+
+def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler) -> float:
+    """Prefill all prompts in one step, then one token per live sequence per step.
+    Returns the time prefill ended."""
+    cache = new_cache(model.config.num_hidden_layers)
+    seqs = [cache.add_sequence() for _ in prompts]
+    step = forward_cached(model, cache, seqs, prompts, last_only=True)
+    tokens = sampler(step.logits).tolist()
+    t_prefill = time.perf_counter()
+    live = []
+    for b, t in enumerate(tokens):
+        if run.emit(b, [t]):
+            cache.free(seqs[b])
+        else:
+            live.append(b)
+    while live:
+        step = forward_cached(
+            model, cache, [seqs[b] for b in live], [[run.out[b][-1]] for b in live], last_only=True
+        )
+        tokens = sampler(step.logits).tolist()
+        still = []
+        for b, t in zip(live, tokens, strict=True):
+            if run.emit(b, [t]):
+                cache.free(seqs[b])
+            else:
+                still.append(b)
+        live = still
+    return t_prefill
+
+
+def _speculative(model, prompts, run: _Run, new_cache) -> tuple[int, int, float]:
+    """Greedy MTP speculative decoding; returns (sum of acceptance lengths, verification
+    steps with drafts, the time prefill ended).
+
+    Invariant between steps, per live sequence: the main cache holds every token but the
+    last emitted one (``pending``); the MTP cache holds entries ``0 .. m-1`` where entry
+    ``i`` fuses the main hidden state at position ``i`` with token ``i + 1``, and the
+    entries ``m .. L-1`` still to add are queued as (hidden states, next tokens).
+    """
+    cache = new_cache(model.config.num_hidden_layers)
+    mtp_cache = new_cache(1)
+    seqs = [cache.add_sequence() for _ in prompts]
+    mtp_seqs = [mtp_cache.add_sequence() for _ in prompts]
+    step = forward_cached(model, cache, seqs, prompts, last_only=True)
+    first = step.logits.argmax(dim=-1).tolist()
+    t_prefill = time.perf_counter()
+    queue_h = list(step.split(step.hidden))
+    queue_ids = [[*p[1:], t] for p, t in zip(prompts, first, strict=True)]
+    live = []
+    for b, t in enumerate(first):
+        if run.emit(b, [t]):
+            cache.free(seqs[b])
+            mtp_cache.free(mtp_seqs[b])
+        else:
+            live.append(b)
+    accepted = steps = 0
+    while live:
+        # Drafts: never more than the tokens still allowed, less the main model's own.
+        k = {b: min(NUM_DRAFT, run.max_new - len(run.out[b]) - 1) for b in live}
+        drafts = _draft(
+            model, mtp_cache, mtp_seqs, [b for b in live if k[b]], k, queue_h, queue_ids
+        )
+        lengths = {b: cache.length(seqs[b]) for b in live}
+        verify = forward_cached(
+            model, cache, [seqs[b] for b in live], [[run.out[b][-1]] + drafts[b] for b in live]
+        )
+        choices = verify.split(verify.logits.argmax(dim=-1))
+        still = []
+        for b, hidden, choice in zip(live, verify.split(verify.hidden), choices, strict=True):
+            choice = choice.tolist()
+            a = 0
+            while a < k[b] and drafts[b][a] == choice[a]:
+                a += 1
+            if k[b]:
+                accepted, steps = accepted + a + 1, steps + 1
+            if run.emit(b, choice[: a + 1]):
+                cache.free(seqs[b])
+                mtp_cache.free(mtp_seqs[b])
+                continue
+            # Keep the pending token and the accepted drafts; their hidden states and
+            # successors are the MTP layer's next entries.
+            cache.truncate(seqs[b], lengths[b] + 1 + a)
+            queue_h[b] = torch.cat((queue_h[b], hidden[: a + 1]))
+            queue_ids[b] = queue_ids[b] + choice[: a + 1]
+            still.append(b)
+        live = still
+    return accepted, steps, t_prefill
+
+
+def _draft(
+    model,
+    mtp_cache: PagedKVCache,
+    mtp_seqs: list[int],
+    batch: list[int],
+    k: dict[int, int],
+    queue_h: list[torch.Tensor],
+    queue_ids: list[list[int]],
+) -> dict[int, list[int]]:
+    """Up to ``k[b]`` greedy draft tokens for each ``b`` in ``batch`` (``[]`` for others).
+
+    Depth 1 adds the queued main-model entries to the MTP cache and drafts from the
+    last; depth ``d > 1`` fuses the MTP layer's own output with draft ``d - 1``. The
+    deeper entries are speculative and are rolled back before returning.
+    """
+    drafts: dict[int, list[int]] = {b: [] for b in k}
+    if not batch:
+        return drafts
+    seqs = [mtp_seqs[b] for b in batch]
+    step = mtp_forward_cached(
+        model,
+        mtp_cache,
+        seqs,
+        torch.cat([queue_h[b] for b in batch]),
+        [queue_ids[b] for b in batch],
+        last_only=True,
+    )
+    committed = {b: mtp_cache.length(mtp_seqs[b]) for b in batch}
+    for b in batch:
+        queue_h[b] = queue_h[b][:0]
+        queue_ids[b] = []
+    hidden = step.last(step.hidden)
+    tokens = step.logits.argmax(dim=-1)
+    for depth in range(1, NUM_DRAFT + 1):
+        for b, t in zip(batch, tokens.tolist(), strict=True):
+            drafts[b].append(t)
+        keep = [i for i, b in enumerate(batch) if k[b] > depth]
+        if not keep:
+            break
+        batch = [batch[i] for i in keep]
+        hidden, tokens = hidden[keep], tokens[keep]
+        step = mtp_forward_cached(
+            model, mtp_cache, [mtp_seqs[b] for b in batch], hidden, tokens[:, None]
+        )
+        hidden, tokens = step.hidden, step.logits.argmax(dim=-1)
+    for b in committed:
+        mtp_cache.truncate(mtp_seqs[b], committed[b])
+    return drafts
