@@ -42,13 +42,7 @@ def _model(seed: int = 0, **overrides) -> GlmMoeDsaForCausalLM:
     return model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add synchronisation, ~10x slower on 2 shared cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,7 @@ from glmport.model.quantize import QuantLinear, enable_qat, quantize_model
 SEQ = 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only contends with the other xdist worker.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(**overrides) -> GlmMoeDsaForCausalLM:
