@@ -34,7 +34,7 @@ from glmport.model.generation import generate
 from glmport.model.quantize import quantize_model
 
 DSA_TOPK = 256
-PREFILL_CHUNK, DECODE_STEPS, BLOCK = 2048, 16, 64
+PREFILL_CHUNK, DECODE_STEPS, BLOCK = 2048, 32, 64
 
 
 def tiny_model() -> GlmMoeDsaForCausalLM:
