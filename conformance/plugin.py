@@ -51,7 +51,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _settings(config: pytest.Config) -> SuiteSettings:
-    from glmport.core.registry import ANY_DEVICE, REGISTRY
+    from glmport.conformance.runner import device_for
+    from glmport.core.registry import REGISTRY
     from glmport.core.selection import current_settings, primary_backend, use_backend
 
     ops = config.getoption("--glmport-ops")
@@ -68,8 +69,7 @@ def _settings(config: pytest.Config) -> SuiteSettings:
         with use_backend(emulate=emulate):
             backend = primary_backend()
     REGISTRY.get(backend)  # an unknown name fails here, listing the valid ones
-    dev_type = REGISTRY.get(backend).device_type(emulate)
-    device = current_settings().device or ("cpu" if dev_type == ANY_DEVICE else dev_type)
+    device = str(device_for(REGISTRY.get(backend).device_type(emulate)))
     return SuiteSettings(backend, emulate, config.getoption("--glmport-full"), ops or None, device)
 
 

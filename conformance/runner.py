@@ -110,11 +110,12 @@ def _model_case(dtype: torch.dtype) -> Case:
     )
 
 
-def _device(op: str) -> torch.device:
-    res = resolve(op)
-    if res.device_type == ANY_DEVICE:
+def device_for(device_type: str) -> torch.device:
+    """Where inputs go for kernels of ``device_type``: device-neutral code takes
+    ``GLMPORT_DEVICE`` (else the CPU)."""
+    if device_type == ANY_DEVICE:
         return torch.device(current_settings().device or "cpu")
-    return torch.device(res.device_type)
+    return torch.device(device_type)
 
 
 def _to(args: tuple, device: torch.device) -> tuple:
@@ -154,9 +155,13 @@ def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Rec
     start = time.perf_counter()
     try:
         with use_backend(backend, emulate=emulate):
-            rec.ran_on = backend if c.op == MODEL_OP else resolve(c.op).backend
-            op_for_device = "sparse_attention" if c.op == MODEL_OP else c.op
-            verdict = _RUNNERS[check.kind](check, _device(op_for_device), backend)
+            if c.op == MODEL_OP:  # the whole model: the backend's own device
+                rec.ran_on = backend
+                dev_type = REGISTRY.get(backend).device_type(current_settings().emulate)
+            else:
+                res = resolve(c.op)
+                rec.ran_on, dev_type = res.backend, res.device_type
+            verdict = _RUNNERS[check.kind](check, device_for(dev_type), backend)
         rec.outcome = "pass" if verdict.ok else "fail"
         rec.reason, rec.metrics, rec.tolerance = verdict.reason, verdict.metrics, verdict.tolerance
     except UnsupportedError as err:
