@@ -2,7 +2,7 @@
 
 Run it with ``glmport conformance``, or in a vendor's own CI with
 ``pytest --pyargs glmport.conformance.suite --glmport-backend mychip``. Checks are
-parametrized by :mod:`glmport.conformance.plugin` from ``--glmport-full`` and
+parametrized by the pytest plug-in :mod:`pytest_glmport` from ``--glmport-full`` and
 ``--glmport-ops``.
 """
 

@@ -1,4 +1,4 @@
-"""The pytest plugin behind ``glmport conformance`` (registered as a ``pytest11`` entry
+"""The pytest plug-in behind ``glmport conformance`` (registered as a ``pytest11`` entry
 point, so ``pytest --glmport-backend X`` works in any environment with glmport).
 
 Options: ``--glmport-backend`` (default: ``GLMPORT_BACKEND``, else auto),
@@ -6,6 +6,11 @@ Options: ``--glmport-backend`` (default: ``GLMPORT_BACKEND``, else auto),
 ``--glmport-report-dir D`` (default ``conformance-report``). With pytest-xdist, the
 workers run checks and the controller gathers their records, prints the summary and
 writes the reports.
+
+pytest loads this module in every run of every project in the environment, so at
+module level it imports pytest only: glmport (and with it torch) is imported in the
+hooks and fixtures, once a run collects the suite (``glmport_check``) or asks for
+``glmport_settings``.
 """
 
 from __future__ import annotations
@@ -14,8 +19,6 @@ import os
 from dataclasses import dataclass
 
 import pytest
-
-from glmport.core.specs import OP_NAMES
 
 DEFAULT_REPORT_DIR = "conformance-report"
 
@@ -54,14 +57,15 @@ def _settings(config: pytest.Config) -> SuiteSettings:
     from glmport.conformance.runner import device_for
     from glmport.core.registry import REGISTRY
     from glmport.core.selection import current_settings, primary_backend, use_backend
+    from glmport.core.specs import INTERFACE_NAMES
 
     ops = config.getoption("--glmport-ops")
     if ops:
         ops = tuple(o.strip() for o in ops.split(",") if o.strip())
-        unknown = [o for o in ops if o not in OP_NAMES]
+        unknown = [o for o in ops if o not in INTERFACE_NAMES]
         if unknown:
             raise pytest.UsageError(
-                f"--glmport-ops: unknown ops {unknown}; ops are {', '.join(OP_NAMES)}"
+                f"--glmport-ops: unknown ops {unknown}; ops are {', '.join(INTERFACE_NAMES)}"
             )
     emulate = config.getoption("--glmport-emulate") or current_settings().emulate
     backend = config.getoption("--glmport-backend") or os.environ.get("GLMPORT_BACKEND") or "auto"
@@ -125,7 +129,7 @@ class _Collector:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # nothing ran: never a silent pass
 
     @pytest.hookimpl
-    def pytest_terminal_summary(self, terminalreporter) -> None:
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if self.report is None:
             return
         from glmport.conformance.report import table_lines, verdict_line
