@@ -24,8 +24,6 @@ Typical use::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +33,7 @@ import glmport.ops as ops
 from glmport.core.errors import ConfigError
 
 from .causal_lm import IGNORE_INDEX, GlmMoeDsaForCausalLM
-from .modeling import Attention, AttentionRecord, pack
+from .modeling import Attention, AttentionRecord, pack, record_attention
 
 DENSE_WARMUP = "dense_warmup"
 SPARSE_ADAPTATION = "sparse_adaptation"
@@ -147,19 +145,6 @@ def indexer_kl(attention: Attention, record: AttentionRecord) -> torch.Tensor:
     return kl_divergence(attention_target(record, attention.scale), picked)
 
 
-@contextmanager
-def _recording(model: nn.Module, dense: bool) -> Iterator[list[Attention]]:
-    """Switch every attention to ``dense`` and collect its records for the block."""
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    for a in attentions:
-        a.dense, a.records = dense, []
-    try:
-        yield attentions
-    finally:
-        for a in attentions:
-            a.dense, a.records = False, None
-
-
 # -- LM and MTP losses -------------------------------------------------------------
 
 
@@ -255,7 +240,9 @@ def training_losses(
             f"mtp_depth must be >= 0 and needs MTP layers (got {mtp_depth} with "
             f"{len(model.model.mtp_layers)} MTP layers; num_nextn_predict_layers)"
         )
-    with _recording(model, dense=warmup) as attentions:
+    # Recording is local to this thread / task: a rollout sharing the model is unaffected.
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    with record_attention(attentions, dense=warmup) as records:
         # Warm-up trains only the indexer, whose KL inputs are detached: no graph needed.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not warmup):
             batch = pack(input_ids, mask)
@@ -265,7 +252,7 @@ def training_losses(
             mtp = None
             if mtp_depth:
                 mtp = _mtp_loss(model, batch.unpack(hidden), input_ids, mask, labels, mtp_depth)
-        kls = [indexer_kl(a, r) for a in attentions for r in a.records]
+        kls = [indexer_kl(a, r) for a, recs in records.items() for r in recs]
     kl = torch.stack(kls).mean()
     if warmup:
         loss = kl_weight * kl

@@ -4,6 +4,8 @@ sparse adaptation, on GlmMoeDsaConfig.tiny() with a toy corpus."""
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 import glmport
 from glmport.core.errors import ConfigError
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-from glmport.model.modeling import AttentionRecord, pack
+from glmport.model.modeling import Attention, AttentionRecord, pack, record_attention
 from glmport.model.training import (
     STAGES,
     attention_target,
@@ -125,15 +127,13 @@ def test_attention_target_is_the_layers_causal_softmax(stage):
     """Against an independent dense computation from the recorded q, k: per head a
     softmax over the attended slots (all visible ones in the warm-up), mean over heads."""
     model = _model()
-    model.model.layers[0].self_attn.records = []
+    attn = model.model.layers[0].self_attn
     ids = _corpus()[:2, :10]
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: a second sequence with its own range
-    with torch.no_grad():
-        model.model.layers[0].self_attn.dense = stage == "dense_warmup"
+    with torch.no_grad(), record_attention([attn], dense=stage == "dense_warmup") as records:
         model(ids, mask)
-    attn = model.model.layers[0].self_attn
-    (rec,) = attn.records
+    (rec,) = records[attn]
     t = rec.q.shape[0]
     scores = attn.scale * torch.einsum("thd,nhd->thn", rec.q, rec.k)  # [T, H, N]
     allowed = torch.zeros(t, t, dtype=torch.bool)
@@ -247,6 +247,70 @@ def test_cpu_and_generic_backends_agree_on_losses_and_gradients(stage):
     assert grads["cpu"].keys() == grads["generic"].keys() and grads["cpu"]
     for name, g in grads["cpu"].items():
         torch.testing.assert_close(grads["generic"][name], g, rtol=1e-3, atol=1e-6, msg=name)
+
+
+# -- threads -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_recording_in_one_thread_leaves_a_second_thread_sharing_the_model_alone(stage):
+    """Thread A computes the training loss (which records attention and, in the
+    warm-up, runs it dense) while thread B runs forwards of the same model. A pre-hook
+    on the first decoder layer holds A inside its recording until B has run, so every
+    B forward overlaps an open recording. B must get the single-threaded logits, A the
+    single-threaded loss (no B record in its KL), and a recording B opens itself holds
+    only B's records."""
+    rounds = 3
+    model = _model()
+    ids_a, ids_b = _corpus()[:2], _corpus()[2:, :17]
+    with torch.no_grad():
+        want_logits = model(ids_b).logits
+    want_loss = training_losses(model, ids_a, stage=stage).as_floats()
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    mtp_attentions = [layer.self_attn for layer in model.model.mtp_layers]
+    a_inside, b_done = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+    a_ident = []
+
+    def hold_a_inside(module, args):
+        if threading.get_ident() in a_ident:
+            a_inside.wait()
+            b_done.wait()
+
+    def thread_a():
+        a_ident.append(threading.get_ident())
+        return [training_losses(model, ids_a, stage=stage).as_floats() for _ in range(rounds)]
+
+    def thread_b():
+        logits, own = [], []
+        for _ in range(rounds):
+            a_inside.wait()
+            with torch.no_grad():
+                logits.append(model(ids_b).logits)
+                with record_attention(attentions) as records:
+                    model(ids_b)
+            own.append(records)
+            b_done.wait()
+        return logits, own
+
+    hook = model.model.layers[0].register_forward_pre_hook(hold_a_inside)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            fut_a, fut_b = pool.submit(thread_a), pool.submit(thread_b)
+            losses, (logits, own) = fut_a.result(), fut_b.result()
+    finally:
+        hook.remove()
+    assert losses == [want_loss] * rounds
+    for got in logits:
+        assert torch.equal(got, want_logits)
+    t_b = ids_b.numel()
+    for records in own:
+        assert list(records) == attentions
+        for attn, recs in records.items():
+            if attn in mtp_attentions:  # a plain forward does not run the MTP layers
+                assert recs == []
+            else:
+                (rec,) = recs
+                assert rec.h.shape[0] == t_b and rec.indices.shape[0] == t_b
 
 
 # -- losses fall -------------------------------------------------------------------

@@ -30,7 +30,16 @@ def randn(*shape, seed, dtype=torch.float32):
 # -- moe_gate ------------------------------------------------------------------------
 
 
-def ref_gate(logits, bias, top_k, n_group, topk_group, rsf, norm, score_func):
+def ref_group_score(values, with_bias):
+    """DeepSeek-V3's gate: a group's best choice score without a bias, the sum of its
+    best two with one."""
+    best = sorted(values, reverse=True)
+    return sum(best[:2]) if with_bias else best[0]
+
+
+def ref_gate(
+    logits, bias, top_k, n_group, topk_group, rsf, norm, score_func, group_rule=ref_group_score
+):
     """Per-token loops in float64: (weights [T, k], ids [T, k], chosen groups per token)."""
     lg = logits.double().numpy()
     t_count, e_count = lg.shape
@@ -44,7 +53,7 @@ def ref_gate(logits, bias, top_k, n_group, topk_group, rsf, norm, score_func):
     all_w, all_ids, all_groups = [], [], []
     for t in range(t_count):
         group_score = [
-            sum(sorted(choice[t, gi * per : (gi + 1) * per], reverse=True)[:2])
+            group_rule(list(choice[t, gi * per : (gi + 1) * per]), bias is not None)
             for gi in range(n_group)
         ]
         kept = sorted(range(n_group), key=lambda gi: (-group_score[gi], gi))[:topk_group]
@@ -68,6 +77,9 @@ GATE_CASES = [
     (5, 16, 6, 4, 3, "softmax", True, 1.5, True),
     (4, 32, 8, 8, 4, "sigmoid", True, 2.5, True),
     (1, 8, 1, 2, 1, "sigmoid", False, 3.0, False),
+    (6, 16, 4, 4, 2, "sigmoid", True, 2.5, False),
+    (5, 16, 6, 4, 3, "softmax", True, 1.5, False),
+    (4, 32, 8, 8, 4, "sigmoid", False, 1.0, False),
 ]
 
 
@@ -126,6 +138,64 @@ def test_moe_gate_group_score_is_sum_of_best_two_in_the_group():
     w, ids = ops.moe_gate(torch.zeros(1, 8), choice - 0.5, 2, 2, 1, 1.0, False)
     assert ids.tolist() == [[0, 1]]
     np.testing.assert_allclose(w.numpy(), [[0.5, 0.5]])
+
+
+def test_moe_gate_group_score_without_bias_is_the_group_maximum():
+    # sigmoid scores: group 0 = [0.95, 0.05, 0.05, 0.05] (max 0.95, best two 1.0),
+    # group 1 = [0.73] * 4 (max 0.73, best two 1.46). The maximum keeps group 0; then
+    # experts 1..3 tie and the lower id (1) wins.
+    logits = torch.tensor([[3.0, -3.0, -3.0, -3.0, 1.0, 1.0, 1.0, 1.0]])
+    w, ids = ops.moe_gate(logits, None, 2, 2, 1, 1.0, False)
+    assert ids.tolist() == [[0, 1]]
+    want = [1 / (1 + math.exp(-3.0)), 1 / (1 + math.exp(3.0))]
+    np.testing.assert_allclose(w[0].double().numpy(), want, rtol=1e-6)
+
+
+def old_sum_of_best_two(values, with_bias):
+    """The rule this op used before: best two even without a bias."""
+    return sum(sorted(values, reverse=True)[:2])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "generic"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_moe_gate_groups_match_float64_loop(backend, with_bias, score_func):
+    t, e, k, ng, tg = 64, 32, 6, 8, 3
+    logits = randn(t, e, seed=80) * 2
+    bias = randn(e, seed=81) * 0.3 if with_bias else None
+    with glmport.use_backend(backend):
+        w, ids = ops.moe_gate(logits, bias, k, ng, tg, 2.5, True, score_func)
+    want_w, want_ids, kept = ref_gate(logits, bias, k, ng, tg, 2.5, True, score_func)
+    np.testing.assert_array_equal(ids.numpy(), want_ids)
+    np.testing.assert_allclose(w.double().numpy(), want_w, rtol=2e-6)
+    if not with_bias:  # the data tell the two group rules apart
+        _, _, old_kept = ref_gate(
+            logits, bias, k, ng, tg, 2.5, True, score_func, old_sum_of_best_two
+        )
+        assert kept != old_kept
+
+
+@pytest.mark.parametrize("backend", ["cpu", "generic"])
+@pytest.mark.parametrize(
+    ("logits", "bias", "want"),
+    [
+        # no bias: every group's maximum is sigmoid(2); the lower group (0) wins even
+        # though group 2's best two are larger; in it expert 1 beats expert 0.
+        ([0.0, 2.0, -1.0, -1.0, 2.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], None, [1, 0]),
+        # bias: best-two sums 0.75 + 0.75 and 1.0 + 0.5 tie exactly; group 0 wins.
+        ([0.0] * 8, [0.25, 0.25, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0], [0, 1]),
+        # bias: group 1 alone has the best sum (1.0 + 0.5 > 0.75 + 0.5).
+        ([0.0] * 8, [0.25, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0], [4, 5]),
+    ],
+)
+def test_moe_gate_group_ties_keep_the_lower_group(backend, logits, bias, want):
+    lg = torch.tensor([logits])
+    b = None if bias is None else torch.tensor(bias)
+    ng = len(logits) // 4
+    with glmport.use_backend(backend):
+        _, ids = ops.moe_gate(lg, b, 2, ng, 1, 1.0, False)
+    _, want_ids, _ = ref_gate(lg, b, 2, ng, 1, 1.0, False, "sigmoid")
+    assert ids.tolist() == [want] == want_ids.tolist()
 
 
 def test_moe_gate_drops_the_globally_best_expert_when_its_group_is_dropped():

@@ -10,9 +10,14 @@ from .precision import acc_dtype, out_dtype
 def sparse_attention(q, k, v, indices, scale):
     acc = acc_dtype()
     t, h, dk = q.shape
-    hkv = k.shape[1]
-    valid = indices >= 0  # [T, K]
-    slots = indices.clamp_min(0).long()
+    n, hkv = k.shape[0], k.shape[1]
+    if n == 0:  # no key slot: every row is empty
+        out = torch.zeros((t, h, v.shape[-1]), dtype=out_dtype(q.dtype), device=q.device)
+        lse = torch.full((t, h), float("-inf"), dtype=out_dtype(torch.float32), device=q.device)
+        return out, lse
+    # Slots outside [0, N) count as -1, like FlashMLA: unchecked under GLMPORT_VALIDATE=meta.
+    valid = (indices >= 0) & (indices < n)  # [T, K]
+    slots = torch.where(valid, indices, 0).long()
     kg = k.to(acc)[slots]  # [T, K, Hkv, Dk]
     vg = v.to(acc)[slots]  # [T, K, Hkv, Dv]
     qg = q.to(acc).view(t, hkv, h // hkv, dk)  # query heads grouped by their kv head

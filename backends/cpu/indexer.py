@@ -7,6 +7,16 @@ import torch
 from .precision import acc_dtype, out_dtype
 
 
+def clamp_key_ranges(
+    k_start: torch.Tensor, k_end: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T]`` int32 key ranges cut to ``[0, N]``: the intersection of ``[start, end)``
+    with ``[0, N)``, as ``0 <= start <= end <= N`` (empty: ``start == end``). The
+    identity on checked ranges; unchecked under ``GLMPORT_VALIDATE=meta``."""
+    start = k_start.clamp(0, n)
+    return start, torch.maximum(k_end.clamp(0, n), start)
+
+
 def _scores(q, k, weights, k_start, k_end, q_scale, k_scale) -> torch.Tensor:
     """``[T, N]`` scores in the compute dtype, ``-inf`` outside each query's key range."""
     acc = acc_dtype()
@@ -24,6 +34,7 @@ def indexer_logits(q, k, weights, k_start, k_end, q_scale=None, k_scale=None):
 
 
 def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+    k_start, k_end = clamp_key_ranges(k_start, k_end, k.shape[0])
     scores = _scores(q, k, weights, k_start, k_end, q_scale, k_scale)
     t, n = scores.shape
     # A stable descending sort keeps the lower slot first among equal scores.

@@ -21,7 +21,10 @@ def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows ``x[slots]`` as fp32 ``[Tc, Hkv, K, D]``: ``index_select`` copies whole rows,
-    many times faster than advanced indexing on a CPU."""
+    many times faster than advanced indexing on a CPU. With no slot (``N = 0``) every
+    entry is masked, so zeros stand in."""
+    if x.shape[0] == 0:
+        return x.new_zeros((*slots.shape, x.shape[1], x.shape[2])).float().permute(0, 2, 1, 3)
     rows = torch.index_select(x.reshape(x.shape[0], -1), 0, slots.reshape(-1))
     return rows.view(*slots.shape, x.shape[1], x.shape[2]).float().permute(0, 2, 1, 3)
 
@@ -30,18 +33,21 @@ def gather_chunk(q, k, v, indices, scale, t0, t1):
     """Scores and gathered values for queries ``[t0, t1)``, all fp32.
 
     Returns ``qg [Tc, Hkv, G, Dk]``, ``kg [Tc, Hkv, K, Dk]``, ``vg [Tc, Hkv, K, Dv]``,
-    ``s [Tc, Hkv, G, K]`` (scaled, ``-inf`` at ``-1`` entries) and ``slots [Tc, K]``.
+    ``s [Tc, Hkv, G, K]`` (scaled, ``-inf`` at entries outside ``[0, N)``, ``-1``
+    included) and ``slots [Tc, K]`` int64 (those entries read slot 0).
     """
     h, dk = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     idx = indices[t0:t1]
-    slots = idx.clamp_min(0).long()
+    # Slots outside [0, N) count as -1, like FlashMLA: unchecked under GLMPORT_VALIDATE=meta.
+    valid = (idx >= 0) & (idx < k.shape[0])
+    slots = torch.where(valid, idx, 0).long()
     kg = _gather(k, slots)  # [Tc, Hkv, K, Dk]
     # Absorbed MLA's value is a prefix of the key: slice the gather instead of redoing it.
     vg = kg[..., : v.shape[-1]] if _v_is_k_prefix(k, v) else _gather(v, slots)
     qg = q[t0:t1].float().view(t1 - t0, hkv, h // hkv, dk)
     s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
-    s = s.masked_fill((idx < 0)[:, None, None, :], float("-inf"))
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     return qg, kg, vg, s, slots
 
 
@@ -99,7 +105,9 @@ def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
         dq[t0:t1] = (torch.matmul(ds, kg) * scale).reshape(tc, h, dk)
         dkg = torch.matmul(ds.transpose(-1, -2), qg) * scale  # [Tc, Hkv, K, Dk]
         dvg = torch.matmul(p.transpose(-1, -2), go)  # [Tc, Hkv, K, Dv]
-        flat = slots.reshape(-1)  # -1 entries gathered slot 0 with p = 0: they add zeros
+        if k.shape[0] == 0:  # no slot to scatter onto (every entry was masked)
+            continue
+        flat = slots.reshape(-1)  # masked entries gathered slot 0 with p = 0: they add zeros
         dkf.index_add_(0, flat, dkg.permute(0, 2, 1, 3).reshape(-1, hkv, dk))
         dvf.index_add_(0, flat, dvg.permute(0, 2, 1, 3).reshape(-1, hkv, v.shape[-1]))
     return dq.to(q.dtype), dkf.to(k.dtype), dvf.to(v.dtype), None, None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from glmport.backends.cpu.indexer import clamp_key_ranges
+
 from .tiling import rows_per_tile
 
 KEY_TILE = 65536
@@ -67,6 +69,8 @@ def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale
     t, hi, _ = q.shape
     n = k.shape[0]
     qf, kf = _dequant(q, k, q_scale, k_scale)
+    # The tile loop below starts and ends at range bounds: they must lie in [0, N].
+    k_start, k_end = clamp_key_ranges(k_start, k_end, n)
     tile = min(KEY_TILE, max(n, 1))
     step = _query_step(t, hi, tile + topk)
     indices = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)

@@ -35,16 +35,22 @@ def _online_stats(h, lm_head, temperature, vt):
 
 def token_logprobs(hidden, lm_head, targets, temperature=1.0):
     step, vt = _tiles(hidden, lm_head)
-    t = hidden.shape[0]
+    t, v = hidden.shape[0], lm_head.shape[0]
+    if v == 0:  # no vocabulary: no target is a token and there is nothing to normalise
+        nan = torch.full((t,), float("nan"), device=hidden.device)
+        return nan, nan.clone()
     logp = torch.empty(t, device=hidden.device)
     entropy = torch.empty(t, device=hidden.device)
     for t0 in range(0, t, step):
         h = hidden[t0 : t0 + step].float()
         m, s, u = _online_stats(h, lm_head, temperature, vt)
         lse = m + torch.log(s)
-        target_row = lm_head[targets[t0 : t0 + step].long()].float()
+        # A target outside [0, V) (unchecked under GLMPORT_VALIDATE=meta) is no token: NaN.
+        tgt = targets[t0 : t0 + step]
+        valid = (tgt >= 0) & (tgt < v)
+        target_row = lm_head[torch.where(valid, tgt, 0).long()].float()
         z_target = (h * target_row).sum(dim=1) / temperature
-        logp[t0 : t0 + step] = z_target - lse
+        logp[t0 : t0 + step] = torch.where(valid, z_target - lse, float("nan"))
         entropy[t0 : t0 + step] = lse - u / s
     return logp, entropy
 
