@@ -1,2 +1,7 @@
 """glmport.conformance: the shared suite that decides whether a backend is right.
-Not built yet; ``glmport.core.tolerance`` already holds the tolerances it will use."""
+
+Cases as data (``cases``, ``badinput``), judges against the float64 reference
+(``judges``), the runner (``runner``; expert parallelism in ``ep_case``, the tiny
+model in ``model_case``), reports (``report``) and the pytest module (``suite``),
+driven by the ``pytest_glmport`` plug-in and ``glmport conformance``.
+"""

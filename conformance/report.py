@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from glmport.core.environment import device_name, versions
-from glmport.core.registry import REGISTRY
+from glmport.core.registry import REGISTRY, chain_for
 
 from .runner import OUTCOMES
 
@@ -24,15 +24,9 @@ def _manifest(backend: str) -> dict:
         "device_type": m.device_type,
         "description": m.description,
         "ops": list(m.ops),
-        "fallback": list(m.fallback),
-        "capabilities": {
-            op: {
-                "dtypes": None if c.dtypes is None else [str(d) for d in c.dtypes],
-                "head_dims": None if c.head_dims is None else list(c.head_dims),
-                "schemes": None if c.schemes is None else list(c.schemes),
-            }
-            for op, c in m.capabilities.items()
-        },
+        "role": m.role,
+        "fallback": list(chain_for(backend)[1:]),
+        "capabilities": {op: c.describe() for op, c in m.capabilities.items()},
         "emulation": m.emulation,
         "verified": m.verified,
     }
@@ -66,6 +60,9 @@ def summarize(records: list[dict]) -> tuple[dict, list[dict]]:
             row["worst"] = r
     table = [{"op": op, "dtype": dt, **row} for (op, dt), row in sorted(rows.items())]
     return {"total": len(records), **counts}, table
+
+
+_NOT_STACK = ("glmport", "python", "torch", "device", "device_name")
 
 
 def build_report(records: list[dict], *, backend: str, full: bool, emulate: bool, ops) -> dict:
@@ -116,8 +113,8 @@ def markdown(report: dict) -> str:
         f"**{verdict_line(report)}**",
         "",
         f"- device: {env['device']} ({env['device_name']}); emulated: {report['emulate']}",
-        f"- glmport {env['glmport']}, torch {env['torch']}, python {env['python']}, "
-        f"triton {env['triton'] or '-'}, torch_npu {env['torch_npu'] or '-'}",
+        f"- glmport {env['glmport']}, torch {env['torch']}, python {env['python']}"
+        + "".join(f", {k} {v or '-'}" for k, v in env.items() if k not in _NOT_STACK),
         f"- backend implements: {', '.join(report['manifest']['ops']) or 'no op (all fall back)'}; "
         f"falls back to: {' -> '.join(report['manifest']['fallback']) or '-'}",
         f"- verified on: {report['manifest']['verified']}",

@@ -3,7 +3,9 @@
 Kinds of check: ``value`` (a case against the float64 cpu reference), ``determinism``
 (two identical calls bitwise equal), ``gradient`` (trainable ops against float64
 reference gradients), ``bad_input`` (the shared error for a malformed call) and
-``opcheck`` (``torch.library.opcheck`` of the registration, through the backend).
+``opcheck`` (``torch.library.opcheck`` of the registration, through the backend),
+``expert_parallel`` (the backend's EP across two processes against the single-process
+MoE, :mod:`.ep_case`) and ``model``.
 Outcomes: pass, fail, unsupported (the backend's manifest declines the input),
 skipped (the backend cannot run here, with the reason), error (anything raised).
 """
@@ -16,19 +18,28 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import glmport
-from glmport.backends.cpu import float64_reference
 from glmport.core.errors import BackendUnavailableError, OpInputError, UnsupportedError
-from glmport.core.formats import FP8_DTYPE
-from glmport.core.registry import ANY_DEVICE, REGISTRY
+from glmport.core.formats import FP8_DTYPE, SCHEMES
+from glmport.core.registry import ANY_DEVICE, PREPARABLE_OPS, REGISTRY
 from glmport.core.selection import current_settings, resolve, use_backend
 from glmport.core.specs import OP_NAMES, SPECS
 
 from .badinput import BAD_INPUTS, BadInput
 from .cases import FLOATS, Case, all_cases
+from .ep_case import ep_cases, run_ep_check
 from .judges import JUDGES, Verdict, close
 
 OUTCOMES = ("pass", "fail", "unsupported", "skipped", "error")
-KINDS = ("value", "determinism", "gradient", "bad_input", "opcheck", "model")
+KINDS = (
+    "value",
+    "prepared",
+    "determinism",
+    "gradient",
+    "bad_input",
+    "opcheck",
+    "expert_parallel",
+    "model",
+)
 MODEL_OP = "model"  # the model-level check's name in reports (not an op)
 
 
@@ -81,6 +92,7 @@ def suite_checks(*, full: bool = False, ops: tuple[str, ...] | None = None) -> l
     """Every check of the suite for the chosen mode and ops, in a stable order."""
     cases = all_cases(full=full, ops=ops)
     checks = [Check("value", c) for c in cases]
+    checks += [Check("prepared", c) for c in cases if _packed_weight_case(c)]
     for op in OP_NAMES if ops is None else ops:
         mine = [c for c in cases if c.op == op]
         if not mine:
@@ -99,9 +111,16 @@ def suite_checks(*, full: bool = False, ops: tuple[str, ...] | None = None) -> l
             checks += [Check("gradient", c) for c in grad_cases]
         checks.append(Check("opcheck", tiny))
         checks += [Check("bad_input", tiny, b) for b in BAD_INPUTS if b.op == op]
+    if ops is None or "expert_parallel" in ops:
+        checks += [Check("expert_parallel", c) for c in ep_cases()]
     if ops is None:
         checks += [Check("model", _model_case(d)) for d in (torch.float32, torch.bfloat16)]
     return checks
+
+
+def _packed_weight_case(case: Case) -> bool:
+    """A case of an op that takes prepared weights, with a packed (not QAT) weight."""
+    return case.op in PREPARABLE_OPS and case.scheme in SCHEMES and case.name != "qat"
 
 
 def _model_case(dtype: torch.dtype) -> Case:
@@ -130,9 +149,15 @@ def _call(op: str, args: tuple):
     return getattr(glmport.ops, op)(*args)
 
 
+def _reference_kernels():
+    """The reference backend's kernels and its float64 mode (the role, not a name)."""
+    name = REGISTRY.reference()
+    return REGISTRY.kernels(name, False), REGISTRY.get(name).float64
+
+
 def _reference(case: Case, args: tuple):
-    kernels = REGISTRY.kernels("cpu")
-    with float64_reference():
+    kernels, float64 = _reference_kernels()
+    with float64():
         if case.judge == "indexer":
             q, k, w, ks, ke, _, qs, kss = args
             return kernels["indexer_logits"](q, k, w, ks, ke, qs, kss)
@@ -161,6 +186,8 @@ def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Rec
             else:
                 res = resolve(c.op)
                 rec.ran_on, dev_type = res.backend, res.device_type
+                if check.kind != "bad_input":  # malformed input is rejected before limits
+                    _require_within_capability(res, c)
             verdict = _RUNNERS[check.kind](check, device_for(dev_type), backend)
         rec.outcome = "pass" if verdict.ok else "fail"
         rec.reason, rec.metrics, rec.tolerance = verdict.reason, verdict.metrics, verdict.tolerance
@@ -174,11 +201,45 @@ def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Rec
     return rec
 
 
+def _require_within_capability(res, case: Case) -> None:
+    """A case outside the backend's declared limits would run on a fallback backend:
+    it says nothing about this one, so it is unsupported here."""
+    if res.capability is None or case.op not in SPECS:
+        return
+    refusal = res.capability.refusal(SPECS[case.op].features(*case.args()))
+    if refusal is not None:
+        raise UnsupportedError(
+            f"backend {res.backend!r} declares it does not take {refusal} "
+            "(such calls fall back along its chain)"
+        )
+
+
 def _value(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
     args = c.args()
     outs = _cpu(_call(c.op, _to(args, device)))
     return JUDGES[c.judge](c.op, c.dtype, args, outs, _reference(c, args))
+
+
+def _prepared(check: Check, device: torch.device, backend: str) -> Verdict:
+    """The value case again, with the weight converted once by the backend's
+    ``prepare_weight`` hook and the call on the prepared weight (its
+    ``"<op>:prepared"`` kernel when it keeps a native layout)."""
+    c = check.case
+    args = c.args()
+    x, w, *rest = _to(args, device)
+    if c.op == "grouped_gemm":
+        offsets, w_scale, scheme, group_size = rest
+        prepared = glmport.prepare_weight(c.op, w, w_scale, scheme, group_size)
+        out = glmport.ops.grouped_gemm(x, prepared, offsets)
+    else:
+        w_scale, scheme, group_size = rest
+        prepared = glmport.prepare_weight(c.op, w, w_scale, scheme, group_size)
+        out = glmport.ops.quant_gemm(x, prepared)
+    verdict = JUDGES[c.judge](c.op, c.dtype, args, _cpu(out), _reference(c, args))
+    layout = "native layout" if prepared.native is not None else "canonical layout"
+    return Verdict(verdict.ok, f"{layout}; {verdict.reason}".rstrip("; "), verdict.metrics,
+                   verdict.tolerance)  # fmt: skip
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -245,11 +306,12 @@ def _reference_grads(op, args, wanted, outs, cots):
         inputs = tuple(a.double() if i in wanted else a for i, a in enumerate(args))
         full = spec.backward(inputs, grads)
         return [full[i].double() for i in wanted]
-    kernel = REGISTRY.kernels("cpu")[op]
+    kernels, float64 = _reference_kernels()
+    kernel = kernels[op]
     leaves = list(args)
     for i in wanted:
         leaves[i] = args[i].detach().double().requires_grad_(True)
-    with float64_reference():
+    with float64():
         refs = kernel(*leaves)
     refs = refs if isinstance(refs, tuple) else (refs,)
     loss = sum(
@@ -305,6 +367,10 @@ def _opcheck(check: Check, device: torch.device, backend: str) -> Verdict:
     return Verdict(True)
 
 
+def _expert_parallel(check: Check, device: torch.device, backend: str) -> Verdict:
+    return run_ep_check(check.case, device, backend)
+
+
 def _model(check: Check, device: torch.device, backend: str) -> Verdict:
     from .model_case import run_model_check
 
@@ -313,9 +379,11 @@ def _model(check: Check, device: torch.device, backend: str) -> Verdict:
 
 _RUNNERS = {
     "value": _value,
+    "prepared": _prepared,
     "determinism": _determinism,
     "gradient": _gradient,
     "bad_input": _bad_input,
     "opcheck": _opcheck,
+    "expert_parallel": _expert_parallel,
     "model": _model,
 }

@@ -2,7 +2,8 @@
 
 Op specs and their shared validation (``specs``, ``validate``), the error hierarchy
 (``errors``), the canonical quantised formats (``formats``), the backend contract and
-registry (``registry``), selection (``selection``), dispatch with shadow checks
+registry (``registry``), selection (``selection``), expert parallelism
+(``expert_parallel``), prepared weights (``prepared``), dispatch with shadow checks
 (``dispatch``, ``shadow``), tolerances (``tolerance``) and the ``torch.library``
 registration of every op (``library``). Imports no backend module: backends are
 found through the registry when first used.
@@ -17,6 +18,8 @@ from .errors import (
     UnknownBackendError,
     UnsupportedError,
 )
+from .expert_parallel import ExpertParallel, expert_parallel
+from .prepared import PreparedWeight, prepare_weight
 from .registry import (
     Availability,
     Backend,
@@ -39,14 +42,18 @@ __all__ = [
     "BackendUnavailableError",
     "Capability",
     "ConfigError",
+    "ExpertParallel",
     "GlmportError",
     "OpInputError",
+    "PreparedWeight",
     "UnknownBackendError",
     "UnsupportedError",
     "backend_names",
     "current_settings",
+    "expert_parallel",
     "get_backend",
     "library",
+    "prepare_weight",
     "register_backend",
     "resolve",
     "unregister_backend",

@@ -1,52 +1,123 @@
-"""The path of one op call: validate, resolve the backend, check it can take the
-input, run its kernel, shadow-check; plus the fake kernel and the autograd formula
-that every op's ``torch.library`` registration uses."""
+"""The path of one op call: validate, resolve the backend for the inputs' device, pick
+the first backend along the chain whose capabilities take the call, run its kernel,
+shadow-check; plus the fake kernel and the autograd formula that every op's
+``torch.library`` registration uses.
+
+Eager calls that need neither autograd nor tracing skip the ``torch.library``
+dispatcher (its Python custom-op path costs tens of microseconds a call) and come
+here directly; everything else goes through ``torch.ops.glmport.*``, which calls
+:func:`run` too, so both paths run the same code.
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from .errors import UnsupportedError
-from .registry import ANY_DEVICE, REGISTRY
+from .registry import ANY_DEVICE, PREPARED_SUFFIX, REGISTRY
 from .selection import (
     Resolution,
     backward_kernel,
     composite_kernel,
     current_settings,
+    log_fallback_once,
     resolve,
 )
 from .shadow import observe
 from .specs import SPECS, OpSpec
+from .specs.quant import PreparedWeight
+
+log = logging.getLogger("glmport")
+
+# Metadata signatures (shapes, dtypes, devices, scalars) that passed the checks: in
+# meta mode a repeated call shape is not checked again (the checks read nothing else).
+_passed: set[tuple] = set()
+_MAX_PASSED = 4096
+
+
+def _validate(spec: OpSpec, args: tuple, values: bool) -> str:
+    """Check ``args``; returns the device type of the first (tensor) argument."""
+    if values:
+        spec.validate(args, values=True)
+        return args[0].device.type
+    sig = tuple(
+        [
+            (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+            for a in args
+        ]
+    )
+    key = (spec.name, sig)
+    try:
+        if key in _passed:
+            return sig[0][2].type
+    except TypeError:  # an unhashable argument (a list where a tensor belongs)
+        spec.validate(args, values=False)
+        return sig[0][2].type
+    spec.validate(args, values=False)
+    if len(_passed) >= _MAX_PASSED:
+        _passed.clear()
+    _passed.add(key)
+    return sig[0][2].type
 
 
 def run(name: str, args: tuple) -> object:
-    """Run op ``name`` on the selected backend (``args`` in schema order)."""
+    """Run op ``name`` on the selected backend (``args`` in schema order; the first
+    argument of every op is a tensor; ``quant_gemm`` / ``grouped_gemm`` may carry a
+    :class:`PreparedWeight` as ``w``)."""
     spec = SPECS[name]
     settings = current_settings()
-    spec.validate(args, values=settings.validate_values)
-    res = resolve(name, settings)
-    _check_backend_takes(spec, res, args)
-    out = res.kernel(*args)
-    if settings.shadow and settings.shadow != res.backend:
-        observe(spec, res, settings, args, out)
+    prepared = args[1] if type(args[1]) is PreparedWeight else None
+    call_args = args
+    if prepared is not None:  # checks, resolution and shadow see the canonical weight
+        args = call_args = (args[0], prepared.w, *args[2:])
+    device_type = _validate(spec, args, settings.validate_values)
+    res = resolve(name, settings, device_type=device_type)
+    if res.capability is None and (res.device_type == device_type or res.device_type == ANY_DEVICE):
+        kernel, backend = res.kernel, res.backend
+    else:
+        kernel, backend = _pick(spec, res, args, device_type)
+    if prepared is not None and prepared.native is not None:
+        if backend == prepared.backend and settings.emulate == prepared.emulate:
+            kernel = REGISTRY.kernels(backend, settings.emulate)[name + PREPARED_SUFFIX]
+            call_args = (args[0], prepared, *args[2:])
+        else:
+            log_fallback_once(
+                prepared.backend, name, backend, "prepared a weight but no longer runs"
+            )
+    out = kernel(*call_args)
+    if settings.shadow and settings.shadow != backend:
+        observe(spec, backend, settings, args, out)
     return out
 
 
-def _check_backend_takes(spec: OpSpec, res: Resolution, args: tuple) -> None:
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    if res.device_type not in (ANY_DEVICE, device.type):
+def _pick(spec: OpSpec, res: Resolution, args: tuple, device_type: str):
+    """The first candidate along ``res``'s chain that runs on ``device_type`` and whose
+    capabilities take these inputs; a refused call falls back with one log line."""
+    if not res.candidates[0].takes(device_type):
         raise UnsupportedError(
-            f"glmport.ops.{spec.name}: backend {res.backend!r} runs on {res.device_type} tensors, "
-            f"got tensors on {device}. Select a backend for {device.type} "
-            f"(GLMPORT_BACKEND=generic works on any torch device) or move the inputs."
+            f"glmport.ops.{spec.name}: backend {res.backend!r} runs on {res.device_type} "
+            f"tensors, got tensors on {device_type}. Select a backend for {device_type} "
+            "(GLMPORT_BACKEND=auto follows the inputs' device) or move the inputs."
         )
-    cap = REGISTRY.get(res.backend).manifest.capabilities.get(spec.name)
-    refusal = cap.refusal(spec.features(*args)) if cap is not None else None
-    if refusal is not None:
-        raise UnsupportedError(
-            f"glmport.ops.{spec.name}: backend {res.backend!r} does not support {refusal}. "
-            f"Route this op elsewhere with GLMPORT_OPS={spec.name}=generic"
-        )
+    features = spec.features(*args)
+    refusals: list[tuple[str, str]] = []
+    for cand in res.candidates:
+        if not cand.takes(device_type):
+            continue
+        refusal = cand.capability.refusal(features) if cand.capability is not None else None
+        if refusal is None:
+            if refusals:
+                why = f"cannot take {refusals[0][1]} in"
+                log_fallback_once(refusals[0][0], spec.name, cand.backend, why)
+            return cand.kernel, cand.backend
+        refusals.append((cand.backend, refusal))
+    path = " -> ".join(c.backend for c in res.candidates)
+    refused = "; ".join(f"{b}: {r}" for b, r in refusals)
+    raise UnsupportedError(
+        f"glmport.ops.{spec.name}: no backend along {path} takes this call ({refused})"
+    )
 
 
 def fake(name: str, args: tuple) -> object:
@@ -62,14 +133,16 @@ def setup_context(name: str, ctx, inputs: tuple, output: object) -> None:
     ctx.non_tensors = tuple(None if isinstance(x, torch.Tensor) else x for x in inputs)
     ctx.is_tensor = tuple(isinstance(x, torch.Tensor) for x in inputs)
     # The backward runs where the forward ran (often outside the use_backend block).
-    ctx.chain = resolve(name).chain
+    settings = current_settings()
+    ctx.chain = resolve(name, settings, device_type=inputs[0].device.type).chain
+    ctx.emulate = settings.emulate
 
 
 def backward(name: str, ctx, *grads: torch.Tensor) -> tuple:
     """Gradients for every input of op ``name``: the spec's closed form if it defines
     one (straight-through quantisation), else a ``"<op>:backward"`` kernel of the
-    first backend along the forward's fallback chain and the composites that has
-    one, else the vector-Jacobian product of the op's torch composite."""
+    first backend along the forward's fallback chain, the composites and the
+    reference that has one, else the vector-Jacobian product of the op's composite."""
     saved = iter(ctx.saved_tensors)
     inputs = tuple(
         next(saved) if is_t else v for is_t, v in zip(ctx.is_tensor, ctx.non_tensors, strict=True)
@@ -77,7 +150,7 @@ def backward(name: str, ctx, *grads: torch.Tensor) -> tuple:
     spec = SPECS[name]
     if spec.backward is not None:
         return tuple(spec.backward(inputs, grads))
-    kernel = backward_kernel(name, ctx.chain)
+    kernel = backward_kernel(name, ctx.chain, ctx.emulate)
     if kernel is not None:
         return tuple(kernel(inputs, grads))
     return _composite_vjp(spec, inputs, grads)

@@ -1,7 +1,7 @@
 """What a report needs to say about where it ran: versions, platform, device.
 
 Reads package metadata instead of importing optional packages, so asking never
-imports triton, torch_npu, onnx or tvm.
+imports a vendor SDK; which packages to ask about, the backends' manifests say.
 """
 
 from __future__ import annotations
@@ -21,21 +21,28 @@ def _version(dist: str) -> str | None:
 
 
 def versions() -> dict[str, str | None]:
-    """glmport, python, torch, triton, torch_npu and the CANN toolkit path (None: absent)."""
-    return {
+    """glmport, python and torch, then the vendor software the backends declare in
+    their manifests' ``stack``: a distribution's version, or for ``"$VAR"`` the
+    toolkit path the variable holds (None: absent)."""
+    from .registry import REGISTRY
+
+    found: dict[str, str | None] = {
         "glmport": _version("glmport"),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "torch_npu": _version("torch-npu"),
-        "cann": os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH"),
     }
+    for item in REGISTRY.stack():
+        found[item] = os.environ.get(item[1:]) if item.startswith("$") else _version(item)
+    return found
 
 
 def device_name(device: torch.device) -> str:
-    """A human name for ``device``: the GPU / NPU model, or the CPU and platform."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(device)
+    """A human name for ``device``: the accelerator model its torch device module
+    reports (``torch.<type>.get_device_name``), or the CPU and platform."""
     if device.type == "cpu":
         return f"{platform.machine()} CPU ({platform.system()}, {os.cpu_count()} cores)"
-    return str(device)
+    get_name = getattr(getattr(torch, device.type, None), "get_device_name", None)
+    try:
+        return get_name(device) if get_name is not None else str(device)
+    except (RuntimeError, AssertionError):  # the device module exists but no device does
+        return str(device)

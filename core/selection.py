@@ -1,15 +1,19 @@
 """Which backend runs each op: environment variables, an in-code context manager,
-per-op overrides, ``auto`` and the fallback chain.
+per-op overrides, ``auto`` (which follows the inputs' device) and the fallback chain.
 
-Environment (read on use, never at import):
+Environment (read on use, never at import; a change takes effect on the next call):
 
-``GLMPORT_BACKEND``   cpu | generic | cuda | ascend | <plug-in> | auto (default auto)
+``GLMPORT_BACKEND``   a backend name | auto (default auto)
 ``GLMPORT_DEVICE``    the torch device for device-neutral code (``cuda:0``, ``npu:0``...)
 ``GLMPORT_EMULATE``   1 runs vendor backends on the CPU (Triton interpreter, NPU emulator)
 ``GLMPORT_OPS``       per-op overrides, ``op=backend,op=backend``
-``GLMPORT_SHADOW``    a backend to shadow-check live calls against (``cpu``)
+``GLMPORT_SHADOW``    a backend to shadow-check live calls against (the reference)
 ``GLMPORT_SHADOW_CALLS``  how many calls per op the shadow checks (default 8)
 ``GLMPORT_VALIDATE``  full (default) | meta: skip checks that read tensor values
+
+Settings and resolutions are cached: a call reads seven environment entries (one
+dict lookup each) and the active ``use_backend`` blocks, and finds its resolution in
+a dict held by the settings object; registering a backend invalidates both.
 """
 
 from __future__ import annotations
@@ -19,13 +23,23 @@ import contextvars
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .errors import BackendUnavailableError, ConfigError, UnknownBackendError
-from .registry import ANY_DEVICE, REGISTRY, Kernel
-from .specs import OP_NAMES
+from .registry import (
+    ANY_DEVICE,
+    BACKWARD_SUFFIX,
+    COMPOSITE,
+    REFERENCE,
+    REGISTRY,
+    VENDOR,
+    Capability,
+    Kernel,
+    chain_for,
+)
+from .specs import INTERFACE_NAMES
 
 log = logging.getLogger("glmport")
 
@@ -45,6 +59,8 @@ class Settings:
     shadow: str | None = None
     shadow_calls: int = 8
     validate_values: bool = True
+    # (interface name, device type) -> Resolution under these settings.
+    resolved: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def op_override(self, op: str) -> str | None:
         return dict(self.ops).get(op)
@@ -66,8 +82,8 @@ def parse_op_overrides(raw: str, source: str = "GLMPORT_OPS") -> tuple[tuple[str
         op, sep, backend = (p.strip() for p in entry.partition("="))
         if not sep or not op or not backend:
             raise ConfigError(f"{source}: malformed entry {entry!r}; expected op=backend")
-        if op not in OP_NAMES:
-            raise ConfigError(f"{source}: unknown op {op!r}; ops are {', '.join(OP_NAMES)}")
+        if op not in INTERFACE_NAMES:
+            raise ConfigError(f"{source}: unknown op {op!r}; ops are {', '.join(INTERFACE_NAMES)}")
         pairs.append((op, backend))
     return tuple(pairs)
 
@@ -89,15 +105,26 @@ _ENV_VARS = (
     "GLMPORT_VALIDATE",
     "GLMPORT_TILE_MB",
 )
-_env_cache: dict[tuple[str | None, ...], Settings] = {}
+_SELECTION_VARS = _ENV_VARS[:-1]  # the tile budget is read by the generic backend itself
+
+# os.environ.get() re-encodes its key on every read (~2 us for seven reads on a small
+# CPU); the mapping it keeps, keyed by encoded names, is read directly instead.
+_environ_data = getattr(os.environ, "_data", None)
+if _environ_data is not None and hasattr(os.environ, "encodekey"):
+    _ENV_KEYS = tuple(os.environ.encodekey(v) for v in _SELECTION_VARS)
+
+    def _env_snapshot() -> tuple:
+        return tuple(map(_environ_data.get, _ENV_KEYS))
+
+else:  # another Python: the public, slower reads
+
+    def _env_snapshot() -> tuple:
+        return tuple(map(os.environ.get, _SELECTION_VARS))
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """Parse the ``GLMPORT_*`` variables; :class:`ConfigError` names a malformed one."""
     env = os.environ if environ is None else environ
-    key = tuple(env.get(v) for v in _ENV_VARS)
-    if key in _env_cache:
-        return _env_cache[key]
     backend = (env.get("GLMPORT_BACKEND") or AUTO).strip() or AUTO
     device = env.get("GLMPORT_DEVICE")
     shadow = (env.get("GLMPORT_SHADOW") or "").strip() or None
@@ -107,7 +134,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
     validate = (env.get("GLMPORT_VALIDATE") or "full").strip().lower()
     if validate not in ("full", "meta"):
         raise ConfigError(f"GLMPORT_VALIDATE={validate!r}: expected 'full' or 'meta'")
-    settings = Settings(
+    return Settings(
         backend=backend,
         device=_parse_device(device) if device and device.strip() else None,
         emulate=_parse_bool("GLMPORT_EMULATE", env.get("GLMPORT_EMULATE", "")),
@@ -116,22 +143,30 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
         shadow_calls=int(calls_raw),
         validate_values=validate == "full",
     )
-    _env_cache[key] = settings
-    return settings
 
 
-_overrides: contextvars.ContextVar[tuple[dict, ...]] = contextvars.ContextVar(
-    "glmport_backend_overrides", default=()
+# Each use_backend block adds one layer: a tuple of (field, value) pairs.
+_overrides: contextvars.ContextVar[tuple[tuple[tuple[str, object], ...], ...]] = (
+    contextvars.ContextVar("glmport_backend_overrides", default=())
 )
+_settings_cache: dict[tuple, Settings] = {}
+_MAX_CACHED = 256
 
 
 def current_settings() -> Settings:
     """The environment's settings amended by every active :func:`use_backend` block."""
-    settings = settings_from_env()
-    for layer in _overrides.get():
-        if "ops" in layer:
-            layer = {**layer, "ops": (*settings.ops, *layer["ops"])}
-        settings = replace(settings, **layer)
+    key = (_env_snapshot(), _overrides.get(), REGISTRY.generation)
+    settings = _settings_cache.get(key)
+    if settings is None:
+        settings = settings_from_env()
+        for layer in key[1]:
+            changes = dict(layer)
+            if "ops" in changes:
+                changes["ops"] = (*settings.ops, *changes["ops"])
+            settings = replace(settings, **changes)
+        if len(_settings_cache) >= _MAX_CACHED:
+            _settings_cache.clear()
+        _settings_cache[key] = settings
     return settings
 
 
@@ -154,19 +189,19 @@ def use_backend(
 
     The selection is checked on entry: an unknown or unavailable backend raises here.
     """
-    layer: dict = {}
+    layer: list[tuple[str, object]] = []
     if name is not None:
-        layer["backend"] = name
+        layer.append(("backend", name))
     if ops is not None:
         text = ",".join(f"{op}={b}" for op, b in ops.items())
-        layer["ops"] = parse_op_overrides(text, source="use_backend(ops=...)")
+        layer.append(("ops", parse_op_overrides(text, source="use_backend(ops=...)")))
     if emulate is not None:
-        layer["emulate"] = bool(emulate)
+        layer.append(("emulate", bool(emulate)))
     if device is not None:
-        layer["device"] = _parse_device(str(device), "use_backend(device=...)")
+        layer.append(("device", _parse_device(str(device), "use_backend(device=...)")))
     if shadow is not None:
-        layer["shadow"] = shadow or None
-    token = _overrides.set((*_overrides.get(), layer))
+        layer.append(("shadow", shadow or None))
+    token = _overrides.set((*_overrides.get(), tuple(layer)))
     try:
         settings = current_settings()
         primary_backend(settings)
@@ -189,39 +224,69 @@ def _require_available(name: str, settings: Settings, source: str) -> None:
 
 
 def primary_backend(settings: Settings | None = None) -> str:
-    """The backend name the settings select (``auto`` resolved)."""
+    """The backend the settings select (``auto`` resolved for ``GLMPORT_DEVICE``, or
+    the best accelerator present): what ``glmport info`` and the conformance suite
+    name. Op calls under ``auto`` follow their inputs' device instead."""
     settings = settings or current_settings()
     if settings.backend != AUTO:
         _require_available(settings.backend, settings, "GLMPORT_BACKEND / use_backend")
         return settings.backend
-    return _auto(settings)
+    return _auto(settings, None)
 
 
-def _auto(settings: Settings) -> str:
-    """The best available backend on real (not emulated) hardware.
-
-    With ``GLMPORT_DEVICE`` of a non-cpu type: the highest-priority backend for that
-    device type, else the device-neutral generic backend. Otherwise the
-    highest-priority backend for an accelerator present here, else cpu.
-    """
-    want = torch.device(settings.device).type if settings.device else "cpu"
-    ranked: list[tuple[int, str, str]] = []
+def _auto(settings: Settings, device_type: str | None) -> str:
+    """The best available backend on real (not emulated) hardware for ``device_type``:
+    the highest-priority backend made for that device type, else the device-neutral
+    composite. With no device type (no tensors to follow): ``GLMPORT_DEVICE``'s type,
+    else the highest-priority accelerator present, else the CPU's. Equal priorities go
+    to the reference and composite backends, so a vendor backend takes over only by
+    declaring a higher priority."""
+    ranked: list[tuple[int, bool, str, str]] = []
     for name in REGISTRY.names():
         avail = REGISTRY.availability(name, settings.emulate)
         if avail.ok and not avail.emulated:
             m = REGISTRY.get(name).manifest
-            ranked.append((m.priority, name, m.device_type))
-    if want != "cpu":
-        exact = [r for r in ranked if r[2] == want]
-        return max(exact)[1] if exact else "generic"
-    hardware = [r for r in ranked if r[2] not in ("cpu", ANY_DEVICE)]
-    return max(hardware)[1] if hardware else "cpu"
+            ranked.append((m.priority, m.role != VENDOR, name, m.device_type))
+    want = device_type
+    if want is None and settings.device is not None:
+        want = torch.device(settings.device).type
+    if want is None:
+        hardware = [r for r in ranked if r[3] not in ("cpu", ANY_DEVICE)]
+        if hardware:
+            return max(hardware)[2]
+        want = "cpu"
+    exact = [r for r in ranked if r[3] == want]
+    if exact:
+        return max(exact)[2]
+    available = {r[2] for r in ranked}
+    for name in REGISTRY.with_role(COMPOSITE):
+        if name in available:
+            return name
+    raise BackendUnavailableError(
+        f"GLMPORT_BACKEND=auto: no available backend runs on {want} tensors "
+        f"(available: {', '.join(sorted(available)) or 'none'})"
+    )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backend along a chain that implements an op."""
+
+    backend: str
+    kernel: Kernel
+    device_type: str
+    capability: Capability | None
+    emulated: bool
+
+    def takes(self, device_type: str) -> bool:
+        return self.device_type == ANY_DEVICE or self.device_type == device_type
 
 
 @dataclass(frozen=True)
 class Resolution:
-    """Where one op runs: the backend that implements it, reached from ``requested``
-    through the fallback ``chain``."""
+    """Where one interface entry runs: the first backend along the fallback ``chain``
+    from ``requested`` that implements it; ``alternatives`` are the later ones, tried
+    for inputs outside its capabilities."""
 
     op: str
     requested: str
@@ -230,90 +295,119 @@ class Resolution:
     kernel: Kernel
     device_type: str
     emulated: bool
+    capability: Capability | None = None
+    alternatives: tuple[Candidate, ...] = ()
 
     @property
     def fell_back(self) -> bool:
         return self.backend != self.requested
 
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        first = Candidate(
+            self.backend, self.kernel, self.device_type, self.capability, self.emulated
+        )
+        return (first, *self.alternatives)
 
-_resolved: dict[tuple[Settings, str], Resolution] = {}
+
 _logged_fallbacks: set[tuple[str, str, str]] = set()
 
 
+def log_fallback_once(requested: str, op: str, used: str, why: str) -> None:
+    """One log line per (requested backend, op, backend used)."""
+    if (requested, op, used) not in _logged_fallbacks:
+        _logged_fallbacks.add((requested, op, used))
+        log.warning("glmport: backend %r %s %r; falling back to %r", requested, why, op, used)
+
+
 def clear_cache() -> None:
-    """Forget cached resolutions (after registering or removing a backend)."""
-    _resolved.clear()
-    _env_cache.clear()
+    """Forget cached settings and resolutions (tests; the caches also notice
+    environment changes and backend registrations by themselves)."""
+    _settings_cache.clear()
 
 
-def resolve(op: str, settings: Settings | None = None) -> Resolution:
-    """Resolve ``op`` under the current settings; cached per settings."""
+def resolve(name: str, settings: Settings | None = None, *, device_type: str | None = None):
+    """Resolve interface entry ``name`` (an op, or ``"expert_parallel"``) under
+    ``settings`` (default: the current ones) for inputs of ``device_type`` (which
+    ``auto`` follows; None: the primary backend's). Cached per settings."""
     settings = settings or current_settings()
-    key = (settings, op)
-    hit = _resolved.get(key)
-    if hit is not None:
-        return hit
-    override = settings.op_override(op)
+    key = (name, device_type)
+    hit = settings.resolved.get(key)
+    if hit is None:
+        hit = settings.resolved[key] = _resolve(name, settings, device_type)
+    return hit
+
+
+def _resolve(name: str, settings: Settings, device_type: str | None) -> Resolution:
+    override = settings.op_override(name)
     if override is not None:
-        _require_available(override, settings, f"GLMPORT_OPS {op}={override}")
+        _require_available(override, settings, f"GLMPORT_OPS {name}={override}")
         requested = override
+    elif settings.backend != AUTO:
+        _require_available(settings.backend, settings, "GLMPORT_BACKEND / use_backend")
+        requested = settings.backend
     else:
-        requested = primary_backend(settings)
-    chain = (requested, *REGISTRY.get(requested).manifest.fallback)
-    for name in chain:
-        if not REGISTRY.availability(name, settings.emulate).ok:
+        requested = _auto(settings, device_type)
+    chain = chain_for(requested)
+    found = []
+    for backend in chain:
+        avail = REGISTRY.availability(backend, settings.emulate)
+        if not avail.ok or name not in REGISTRY.get(backend).manifest.ops:
             continue
-        backend = REGISTRY.get(name)
-        if op in backend.manifest.ops:
-            break
-    else:
-        raise BackendUnavailableError(f"no backend along {' -> '.join(chain)} implements {op!r}")
-    avail = REGISTRY.availability(name, settings.emulate)
-    res = Resolution(
-        op=op,
+        b = REGISTRY.get(backend)
+        found.append(
+            Candidate(
+                backend,
+                REGISTRY.kernels(backend, settings.emulate)[name],
+                b.device_type(settings.emulate),
+                b.manifest.capabilities.get(name),
+                avail.emulated,
+            )
+        )
+    if not found:
+        raise BackendUnavailableError(f"no backend along {' -> '.join(chain)} implements {name!r}")
+    first = found[0]
+    if first.backend != requested:
+        log_fallback_once(requested, name, first.backend, "lacks")
+    return Resolution(
+        op=name,
         requested=requested,
-        backend=name,
-        chain=chain[: chain.index(name) + 1],
-        kernel=REGISTRY.kernels(name)[op],
-        device_type=backend.device_type(settings.emulate),
-        emulated=avail.emulated,
+        backend=first.backend,
+        chain=chain[: chain.index(first.backend) + 1],
+        kernel=first.kernel,
+        device_type=first.device_type,
+        emulated=first.emulated,
+        capability=first.capability,
+        alternatives=tuple(found[1:]),
     )
-    if res.fell_back and (requested, op, name) not in _logged_fallbacks:
-        _logged_fallbacks.add((requested, op, name))
-        log.warning("glmport: backend %r lacks %r; falling back to %r", requested, op, name)
-    _resolved[key] = res
-    return res
 
 
-COMPOSITES = ("generic", "cpu")
-BACKWARD_SUFFIX = ":backward"
-
-
-def backward_kernel(op: str, chain: tuple[str, ...]) -> Kernel | None:
-    """The first ``"<op>:backward"`` kernel along ``chain`` then the composites, if any.
-
-    A backward kernel takes ``(inputs, grad_outputs)`` (inputs in schema order) and
-    returns one gradient (or None) per input.
-    """
-    for name in dict.fromkeys((*chain, *COMPOSITES)):
-        if REGISTRY.availability(name, current_settings().emulate).ok:
-            kernel = REGISTRY.kernels(name).get(op + BACKWARD_SUFFIX)
+def backward_kernel(op: str, chain: tuple[str, ...], emulate: bool) -> Kernel | None:
+    """The first ``"<op>:backward"`` kernel along ``chain`` then the composites and the
+    reference, if any. It takes ``(inputs, grad_outputs)`` (inputs in schema order)
+    and returns one gradient (or None) per input."""
+    tail = (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
+    for name in dict.fromkeys((*chain, *tail)):
+        if REGISTRY.availability(name, emulate).ok:
+            kernel = REGISTRY.kernels(name, emulate).get(op + BACKWARD_SUFFIX)
             if kernel is not None:
                 return kernel
     return None
 
 
 def composite_kernel(op: str) -> Kernel:
-    """The differentiable torch composite of ``op`` (generic's, else the cpu
-    reference): backward passes without a closed form are its vector-Jacobian product."""
-    for name in COMPOSITES:
+    """The differentiable torch composite of ``op`` (the composite backend's, else the
+    reference's): backward passes without a closed form are its vector-Jacobian product."""
+    names = (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
+    for name in names:
         if op in REGISTRY.get(name).manifest.ops:
-            return REGISTRY.kernels(name)[op]
-    raise BackendUnavailableError(f"no composite implementation of {op!r} in {COMPOSITES}")
+            return REGISTRY.kernels(name, False)[op]
+    raise BackendUnavailableError(f"no composite implementation of {op!r} in {names}")
 
 
 __all__ = [
     "AUTO",
+    "Candidate",
     "Resolution",
     "Settings",
     "UnknownBackendError",

@@ -46,7 +46,8 @@ def reset() -> None:
         _reports.clear()
 
 
-def observe(spec, res, settings, args: tuple, out: object) -> None:
+def observe(spec, backend: str, settings, args: tuple, out: object) -> None:
+    """Compare ``out``, what ``backend`` returned for ``args``, with the shadow backend."""
     with _lock:
         if _counts[spec.name] >= settings.shadow_calls:
             return
@@ -54,7 +55,7 @@ def observe(spec, res, settings, args: tuple, out: object) -> None:
     if not REGISTRY.availability(settings.shadow, settings.emulate).ok:
         log.warning("glmport shadow: backend %r is not available; no check", settings.shadow)
         return
-    kernel = REGISTRY.kernels(settings.shadow).get(spec.name)
+    kernel = REGISTRY.kernels(settings.shadow, settings.emulate).get(spec.name)
     if kernel is None:
         return
     cpu_args = tuple(a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in args)
@@ -62,19 +63,19 @@ def observe(spec, res, settings, args: tuple, out: object) -> None:
         ref = kernel(*cpu_args)
     outs = out if isinstance(out, tuple) else (out,)
     refs = ref if isinstance(ref, tuple) else (ref,)
-    tol = tolerance(spec.name, spec.features(*args).dtype)
+    tol = tolerance(spec.name, spec.features(*args)["dtype"])
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         if i in spec.tie_outputs:
             continue  # order may differ on ties; the scores output is compared instead
         if o.is_floating_point():
             cmp = compare(o.detach(), r, tol)
             rep = ShadowReport(
-                spec.name, res.backend, settings.shadow, i, cmp.max_rel, cmp.mean_rel, cmp.ok
+                spec.name, backend, settings.shadow, i, cmp.max_rel, cmp.mean_rel, cmp.ok
             )
         else:
             same = o.shape == r.shape and torch.equal(o.detach().cpu(), r)
             rep = ShadowReport(
-                spec.name, res.backend, settings.shadow, i, 0.0 if same else float("inf"), 0.0, same
+                spec.name, backend, settings.shadow, i, 0.0 if same else float("inf"), 0.0, same
             )
         with _lock:
             _reports.append(rep)
@@ -84,7 +85,7 @@ def observe(spec, res, settings, args: tuple, out: object) -> None:
                 "mean=%.3g (tolerance %.3g / %.3g)",
                 spec.name,
                 i,
-                res.backend,
+                backend,
                 settings.shadow,
                 rep.max_rel,
                 rep.mean_rel,

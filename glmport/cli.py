@@ -21,9 +21,9 @@ def collect_info() -> dict:
     import torch
 
     import glmport
-    from glmport.core.registry import REGISTRY
+    from glmport.core.registry import REGISTRY, chain_for
     from glmport.core.selection import _ENV_VARS, current_settings, primary_backend, resolve
-    from glmport.core.specs import OP_NAMES
+    from glmport.core.specs import INTERFACE_NAMES
 
     settings = current_settings()
     primary = primary_backend(settings)
@@ -41,8 +41,11 @@ def collect_info() -> dict:
             entry.update(
                 device_type=m.device_type,
                 description=m.description,
+                role=m.role,
                 ops=list(m.ops),
-                fallback=list(m.fallback),
+                fallback=list(chain_for(name)[1:]),
+                capabilities={op: c.describe() for op, c in m.capabilities.items()},
+                stack=list(m.stack),
                 emulation=m.emulation,
                 verified=m.verified,
             )
@@ -50,7 +53,7 @@ def collect_info() -> dict:
             entry.update(reason=str(err))
         backends.append(entry)
     ops = {}
-    for op in OP_NAMES:
+    for op in INTERFACE_NAMES:
         res = resolve(op, settings)
         ops[op] = {"backend": res.backend, "chain": list(res.chain), "device_type": res.device_type}
     return {
@@ -60,7 +63,11 @@ def collect_info() -> dict:
         "selected_backend": primary,
         "device": settings.device or ("cpu" if primary == "cpu" else None),
         "emulate": settings.emulate,
-        "accelerators": {"cuda": torch.cuda.is_available()},
+        "accelerator": (
+            torch.accelerator.current_accelerator().type
+            if torch.accelerator.is_available()
+            else None
+        ),
         "backends": backends,
         "ops": ops,
     }
@@ -69,11 +76,16 @@ def collect_info() -> dict:
 def _print_info(info: dict) -> None:
     v = info["versions"]
     print(f"glmport {info['glmport']}")
-    print(
-        f"  python {v['python']}, torch {v['torch']}, triton {v['triton'] or 'not installed'}, "
-        f"torch_npu {v['torch_npu'] or 'not installed'}, CANN {v['cann'] or 'not found'}"
+    stack = ", ".join(
+        f"{name} {value or ('not set' if name.startswith('$') else 'not installed')}"
+        for name, value in v.items()
+        if name not in ("glmport", "python", "torch")
     )
-    print(f"  CUDA device visible to torch: {'yes' if info['accelerators']['cuda'] else 'no'}")
+    print(
+        f"  python {v['python']}, torch {v['torch']}"
+        + (f"; backends' stack: {stack}" if stack else "")
+    )
+    print(f"  accelerator visible to torch: {info['accelerator'] or 'none'}")
     print("\nselection")
     for var, value in info["environment"].items():
         print(f"  {var:<22} {value if value is not None else '(unset)'}")
@@ -81,7 +93,7 @@ def _print_info(info: dict) -> None:
         f"  -> backend {info['selected_backend']!r}, emulate={'on' if info['emulate'] else 'off'}"
     )
     print("\nbackends")
-    rows = [("name", "device", "status", "ops", "verified on")]
+    rows = [("name", "role", "device", "status", "ops", "verified on")]
     for b in info["backends"]:
         status = (
             ("available" + (" (emulated)" if b["emulated"] else ""))
@@ -91,6 +103,7 @@ def _print_info(info: dict) -> None:
         rows.append(
             (
                 b["name"],
+                b.get("role", "?"),
                 b.get("device_type", "?"),
                 status,
                 str(len(b.get("ops", []))),
@@ -126,7 +139,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_conformance(args: argparse.Namespace) -> int:
     import pytest
 
-    from glmport.conformance import plugin, suite
+    from glmport.conformance import suite
     from glmport.core.registry import REGISTRY
     from glmport.core.selection import parse_op_overrides
 
@@ -154,7 +167,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         args.workers,
     ]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        pytest_args += ["-p", plugin.__name__, "-p", "xdist.plugin"]
+        pytest_args += ["-p", "pytest_glmport", "-p", "xdist.plugin"]
     if args.emulate:
         pytest_args.append("--glmport-emulate")
     if args.full:

@@ -10,6 +10,10 @@ transformers' ``GlmMoeDsaForCausalLM``, so its state dicts load unchanged.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import glmport.ops as ops
+from glmport.core.prepared import PreparedWeight
 
 from .config import GlmMoeDsaConfig
+
+log = logging.getLogger("glmport")
 
 MLA_NORM_EPS = 1e-6  # q_a / kv_a norms and the indexer's key LayerNorm (not rms_norm_eps)
 
@@ -140,6 +147,26 @@ class Router(nn.Module):
         )
 
 
+def packed_weight(module: nn.Module, name: str) -> torch.Tensor | PreparedWeight:
+    """``module``'s packed weight ``<name>_q``, or its prepared form when one was made
+    from it (``glmport.model.quantize.prepare_weights``) and is still current; a stale
+    one (the module moved or reloaded since) is dropped with a log line."""
+    w = getattr(module, name + "_q")
+    prepared = module.prepared.get(name)
+    if prepared is None:
+        return w
+    if prepared.is_current(w):
+        return prepared
+    del module.prepared[name]
+    log.warning(
+        "glmport: the prepared %s weight of a %s is stale (moved or reloaded since it was "
+        "prepared); using the canonical weight. Call prepare_weights(model) again.",
+        name,
+        type(module).__name__,
+    )
+    return w
+
+
 class Experts(nn.Module):
     """Routed experts as fused tensors: ``gate_up_proj [E, 2I, H]`` (gate rows first),
     ``down_proj [E, H, I]``. ``scheme`` / ``group_size`` switch the grouped GEMMs to a
@@ -153,15 +180,16 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.scheme = "none"
         self.group_size = 128
+        self.prepared: dict[str, PreparedWeight] = {}
 
     def _gemm(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
-        packed = getattr(self, name + "_q", None)
-        if packed is None:  # float weights: plain ("none") or fake-quantised (QAT)
+        if not hasattr(self, name + "_q"):  # float weights: plain ("none") or QAT
             return ops.grouped_gemm(
                 x, getattr(self, name), offsets, None, self.scheme, self.group_size
             )
+        w = packed_weight(self, name)
         scale = getattr(self, name + "_scale")
-        return ops.grouped_gemm(x, packed, offsets, scale, self.scheme, self.group_size)
+        return ops.grouped_gemm(x, w, offsets, scale, self.scheme, self.group_size)
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         h = self._gemm(x_sorted, "gate_up_proj", offsets)
@@ -256,6 +284,39 @@ class AttentionRecord:
     k_end: torch.Tensor  # [T] int32
 
 
+@dataclass
+class AttentionRecording:
+    """A recording open in one thread / asyncio task (see :func:`record_attention`):
+    ``records`` maps each recorded :class:`Attention` to the records of its forwards;
+    ``dense`` makes those attentions attend to every visible key (DSA's warm-up)."""
+
+    dense: bool
+    records: dict[Attention, list[AttentionRecord]]
+
+
+# Context-local, not module flags: a rollout thread running forwards on the same model
+# while a training thread records must see neither the records nor the dense switch.
+_RECORDING: ContextVar[AttentionRecording | None] = ContextVar(
+    "glmport_attention_recording", default=None
+)
+
+
+@contextmanager
+def record_attention(
+    attentions: Iterable[Attention], dense: bool = False
+) -> Iterator[dict[Attention, list[AttentionRecord]]]:
+    """Record every non-absorbed forward of ``attentions`` run by the current thread or
+    asyncio task inside the block (other threads and tasks are unaffected), and run
+    them dense if ``dense``. Yields ``{attention: [AttentionRecord, ...]}`` in the
+    order of ``attentions``; blocks nest (the inner one wins until it closes)."""
+    recording = AttentionRecording(dense, {a: [] for a in attentions})
+    token = _RECORDING.set(recording)
+    try:
+        yield recording.records
+    finally:
+        _RECORDING.reset(token)
+
+
 class Attention(nn.Module):
     """Multi-head latent attention with DSA; non-absorbed over a packed batch, absorbed
     (``[T, H, kv_lora + rope]`` queries over the latent cache) when decoding."""
@@ -275,11 +336,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, h, bias=bias)
         self.indexer = Indexer(config)
         self.scale = c.qk_head_dim**-0.5
-        # Training switches (glmport.model.training), off by default: ``dense`` attends to
-        # every visible key (DSA's dense warm-up); a list in ``records`` collects an
-        # AttentionRecord per forward for the indexer's KL loss.
-        self.dense = False
-        self.records: list[AttentionRecord] | None = None
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjections:
         c = self.config
@@ -307,7 +363,9 @@ class Attention(nn.Module):
         """Non-absorbed attention over the packed batch itself (prefill, training)."""
         c = self.config
         p = self.project(h, cos, sin)
-        if self.dense:
+        recording = _RECORDING.get()
+        records = None if recording is None else recording.records.get(self)
+        if records is not None and recording.dense:
             indices = visible_slots(batch.k_start, batch.k_end)
         else:
             keys = self.indexer.keys(h, cos, sin)
@@ -321,9 +379,9 @@ class Attention(nn.Module):
         q = torch.cat((p.q_nope, p.q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
         out, lse = ops.sparse_attention(q, k, v.contiguous(), indices, self.scale)
-        if self.records is not None:
+        if records is not None:
             d = [x.detach() for x in (h, p.q_res, cos, sin, q, k, lse)]
-            self.records.append(AttentionRecord(*d, indices, batch.k_start, batch.k_end))
+            records.append(AttentionRecord(*d, indices, batch.k_start, batch.k_end))
         return self.o_proj(out.reshape(t, -1))
 
     def attend_latent(

@@ -7,6 +7,8 @@ projections by default, or ``fp8_block``); every GEMM then runs through
 :func:`enable_qat` keeps the float weights but makes the same GEMMs fake-quantise them
 (straight-through gradients), so training sees the int4 grid that inference will use;
 :func:`quantize_model` on a QAT model then packs the trained weights.
+:func:`prepare_weights` then converts the packed weights once into the native layout
+of the backend that runs them (``glmport.prepare_weight``), so no call converts them.
 
 What stays float, in both modes (the weights are a small share of the model):
 
@@ -35,9 +37,10 @@ from torch import nn
 import glmport.ops as ops
 from glmport.core.errors import ConfigError
 from glmport.core.formats import FLOAT_WEIGHT, SCHEMES
+from glmport.core.prepared import PreparedWeight, prepare_weight
 
 from .causal_lm import GlmMoeDsaForCausalLM
-from .modeling import Attention, Experts, Indexer, SharedHead
+from .modeling import Attention, Experts, Indexer, SharedHead, packed_weight
 
 # (owner type, attribute) of the nn.Linear layers kept float; reasons in the module doc.
 KEEP_FLOAT: frozenset[tuple[type, str]] = frozenset(
@@ -82,6 +85,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight_q", q)
             self.register_buffer("weight_scale", scale)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias)
+        self.prepared: dict[str, PreparedWeight] = {}
 
     @classmethod
     def from_linear(
@@ -100,7 +104,8 @@ class QuantLinear(nn.Module):
         if self.qat:
             y = ops.quant_gemm(flat, self.weight, None, self.scheme, self.group_size)
         else:
-            y = ops.quant_gemm(flat, self.weight_q, self.weight_scale, self.scheme)
+            w = packed_weight(self, "weight")
+            y = ops.quant_gemm(flat, w, self.weight_scale, self.scheme)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -171,6 +176,34 @@ def quantize_model(
             whose ``K`` no group size fits.
     """
     return _convert(model, experts, dense, group_size, qat=False)
+
+
+def prepare_weights(model: nn.Module) -> int:
+    """Convert every packed weight of ``model`` once into the native layout of the
+    backend that will run it (its ``prepare_weight`` hook), after
+    :func:`quantize_model` and after moving the model to its device, under the
+    selection it will run with. The canonical buffers stay (checkpoints, other
+    backends); a backend that converts holds both. Returns how many weights were
+    prepared; moving or reloading the model afterwards makes them stale (then the
+    canonical weights are used, with a log line, until this is called again)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and not module.qat:
+            module.prepared["weight"] = prepare_weight(
+                "quant_gemm", module.weight_q, module.weight_scale, module.scheme
+            )
+            count += 1
+        elif isinstance(module, Experts) and hasattr(module, EXPERT_WEIGHTS[0] + "_q"):
+            for name in EXPERT_WEIGHTS:
+                module.prepared[name] = prepare_weight(
+                    "grouped_gemm",
+                    getattr(module, name + "_q"),
+                    getattr(module, name + "_scale"),
+                    module.scheme,
+                    module.group_size,
+                )
+                count += 1
+    return count
 
 
 def enable_qat(model: nn.Module, *, scheme: str = "w4a16", group_size: int = 128) -> QuantReport:

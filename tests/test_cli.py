@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 
 from glmport.cli import main
-from glmport.core.specs import OP_NAMES
+from glmport.core.specs import INTERFACE_NAMES
 
 
 def test_info_json_reports_backends_versions_and_every_op(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["selected_backend"] == "cpu"
-    assert set(info["ops"]) == set(OP_NAMES)
+    assert set(info["ops"]) == set(INTERFACE_NAMES)
     assert all(r["backend"] == "cpu" for r in info["ops"].values())
     names = {b["name"]: b for b in info["backends"]}
-    assert names["cpu"]["available"] and len(names["cpu"]["ops"]) == len(OP_NAMES)
+    assert names["cpu"]["available"] and len(names["cpu"]["ops"]) == len(INTERFACE_NAMES)
     assert not names["cuda"]["available"] and names["cuda"]["reason"]
     assert "not verified on real hardware" in names["cuda"]["verified"]
     assert info["versions"]["torch"]

@@ -16,7 +16,7 @@ from glmport.core.registry import REGISTRY, Availability, Backend, BackendManife
 
 
 def _ref(op):
-    return REGISTRY.kernels("cpu")[op]
+    return REGISTRY.kernels("cpu", False)[op]
 
 
 def _ignores_minus_one(q, k, v, indices, scale):
@@ -99,7 +99,7 @@ class _Broken(Backend):
     def probe(self, emulate):
         return Availability(True)
 
-    def load_kernels(self):
+    def load_kernels(self, emulate):
         return self.kernels
 
 
@@ -157,7 +157,7 @@ def test_a_declared_capability_limit_is_unsupported_not_failed():
         device_type="cpu",
         description="takes fp32 only",
         ops=("rms_norm",),
-        capabilities={"rms_norm": Capability(dtypes=(torch.float32,))},
+        capabilities={"rms_norm": Capability(dtype=(torch.float32,))},
     )
     glmport.register_backend(backend)
     try:

@@ -69,7 +69,7 @@ class Broken(Backend):
                                ops=("rms_norm",))
     def probe(self, emulate):
         return Availability(True)
-    def load_kernels(self):
+    def load_kernels(self, emulate):
         return {"rms_norm": lambda x, weight, eps=1e-6: (x.float() * weight.float()).to(x.dtype)}
 
 BACKEND = Broken()

@@ -17,7 +17,7 @@ from glmport.core.registry import REGISTRY
 
 
 def _ref(op):
-    return REGISTRY.kernels("cpu")[op]
+    return REGISTRY.kernels("cpu", False)[op]
 
 
 @pytest.fixture
@@ -204,4 +204,4 @@ def test_tile_budget_must_be_positive(monkeypatch):
 
 
 def test_generic_moe_reuses_the_device_neutral_routing():
-    assert gmoe.moe_dispatch is REGISTRY.kernels("cpu")["moe_dispatch"]
+    assert gmoe.moe_dispatch is REGISTRY.kernels("cpu", False)["moe_dispatch"]

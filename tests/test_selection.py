@@ -19,14 +19,17 @@ from glmport.core.specs import OP_NAMES
 class _ToyBackend(Backend):
     """A backend whose rms_norm adds a marker, so tests can see where a call ran."""
 
-    def __init__(self, name="toy", ops=("rms_norm",), available=True, caps=None, device="cpu"):
+    def __init__(
+        self, name="toy", ops=("rms_norm",), available=True, caps=None, device="cpu", priority=-1
+    ):
+        # priority -1: below the reference, so auto never picks it for CPU tensors
         self.manifest = BackendManifest(
             name=name,
             device_type=device,
             description="test double",
             ops=ops,
             capabilities=caps or {},
-            priority=5,
+            priority=priority,
         )
         self.available = available
         self.calls = 0
@@ -34,7 +37,7 @@ class _ToyBackend(Backend):
     def probe(self, emulate):
         return Availability(self.available, "" if self.available else "toy hardware absent")
 
-    def load_kernels(self):
+    def load_kernels(self, emulate):
         def rms_norm(x, weight, eps=1e-6):
             self.calls += 1
             return torch.full_like(x, 42.0)
@@ -207,17 +210,71 @@ def test_two_backends_in_one_process_in_threads(toy):
     assert results == {"toy": True, "cpu": False}
 
 
-def test_capability_refusal_is_an_unsupported_error_naming_op_and_backend():
-    caps = {"rms_norm": Capability(dtypes=(torch.float32,))}
+def test_input_outside_capabilities_falls_back_along_the_chain_with_one_log_line(caplog):
+    caps = {"rms_norm": Capability(dtype=(torch.float32,), hidden=range(1, 65))}
     glmport.register_backend(_ToyBackend(name="fp32only", caps=caps))
     try:
-        with glmport.use_backend("fp32only"):
-            assert torch.all(_norm() == 42.0)
-            x = torch.randn(2, 8, dtype=torch.bfloat16)
-            with pytest.raises(glmport.UnsupportedError, match=r"rms_norm.*fp32only.*bfloat16"):
-                glmport.ops.rms_norm(x, torch.ones(8, dtype=torch.bfloat16))
+        with (
+            caplog.at_level(logging.WARNING, logger="glmport"),
+            glmport.use_backend("fp32only"),
+        ):
+            assert torch.all(_norm() == 42.0)  # inside its limits: its own kernel
+            for _ in range(3):
+                x = torch.randn(2, 8, dtype=torch.bfloat16)
+                y = glmport.ops.rms_norm(x, torch.ones(8, dtype=torch.bfloat16))
+            wide = glmport.ops.rms_norm(torch.randn(2, 96), torch.ones(96))
     finally:
         glmport.unregister_backend("fp32only")
+    with glmport.use_backend("generic"):
+        assert torch.equal(y, glmport.ops.rms_norm(x, torch.ones(8, dtype=torch.bfloat16)))
+    assert not torch.all(wide == 42.0)
+    lines = [r.getMessage() for r in caplog.records if "'fp32only'" in r.getMessage()]
+    assert lines == [
+        "glmport: backend 'fp32only' cannot take dtype bfloat16 (it takes float32) in "
+        "'rms_norm'; falling back to 'generic'"
+    ]
+
+
+def test_capability_limits_take_values_and_ranges():
+    cap = Capability(q_heads=range(1, 65), head_dim=128, topk=(range(1, 2049), 4096))
+    assert cap.refusal({"q_heads": 64, "head_dim": 128, "topk": 2048}) is None
+    assert cap.refusal({"q_heads": 64, "head_dim": 128, "topk": 4096}) is None
+    assert cap.refusal({"q_heads": 64, "head_dim": None, "topk": 1}) is None  # not limited
+    assert cap.refusal({"q_heads": 128, "head_dim": 128, "topk": 1}) == (
+        "q_heads 128 (it takes 1..64)"
+    )
+    assert cap.refusal({"q_heads": 1, "topk": 3000}) == "topk 3000 (it takes 1..2048, 4096)"
+
+
+def test_manifest_rejects_unknown_feature_names_and_capabilities_of_other_ops():
+    with pytest.raises(ValueError, match=r"unknown features \['head_dims'\].*q_heads"):
+        BackendManifest(
+            name="x",
+            device_type="cpu",
+            description="",
+            ops=("lightning_indexer",),
+            capabilities={"lightning_indexer": Capability(head_dims=(128,))},
+        )
+    with pytest.raises(ValueError, match="not one of its ops"):
+        BackendManifest(
+            name="x",
+            device_type="cpu",
+            description="",
+            ops=("rms_norm",),
+            capabilities={"rope": Capability(dtype=torch.float32)},
+        )
+
+
+def test_every_spec_reports_exactly_its_declared_features():
+    from glmport.conformance.cases import all_cases
+    from glmport.core.specs import SPECS
+
+    seen = set()
+    for case in all_cases(full=False):
+        spec = SPECS[case.op]
+        assert set(spec.features(*case.args())) == set(spec.feature_names), case.id
+        seen.add(case.op)
+    assert seen == set(OP_NAMES)
 
 
 def test_backend_for_another_device_refuses_cpu_tensors_clearly():
@@ -229,20 +286,133 @@ def test_backend_for_another_device_refuses_cpu_tensors_clearly():
         glmport.unregister_backend("xpuish")
 
 
-def test_auto_prefers_an_available_accelerator_backend():
-    glmport.register_backend(_ToyBackend(name="accel", device="xpu"))
+def test_auto_follows_the_inputs_device_when_an_accelerator_backend_is_available():
+    accel = _ToyBackend(name="accel", device="xpu", priority=30)
+    glmport.register_backend(accel)
     try:
-        assert resolve("rms_norm").requested == "accel"
+        assert glmport.core.selection.primary_backend() == "accel"  # the headline
+        assert resolve("rms_norm", device_type="xpu").backend == "accel"
+        # checkpoint loading and quantisation happen on the CPU: CPU tensors run on a
+        # CPU backend instead of raising
+        assert resolve("rms_norm", device_type="cpu").backend == "cpu"
+        y = _norm()
+        assert accel.calls == 0 and not torch.all(y == 42.0)
         with glmport.use_backend(device="cpu"):
-            assert resolve("rms_norm").requested == "accel"
+            assert glmport.core.selection.primary_backend() == "cpu"
     finally:
         glmport.unregister_backend("accel")
     assert resolve("rms_norm").requested == "cpu"
 
 
-def test_auto_with_a_device_of_no_vendor_backend_picks_generic(monkeypatch):
+def test_auto_picks_a_cpu_vendor_backend_only_above_the_reference_priority():
+    glmport.register_backend(_ToyBackend(name="tie", priority=0))
+    try:
+        assert resolve("rms_norm", device_type="cpu").backend == "cpu"  # ties: the reference
+    finally:
+        glmport.unregister_backend("tie")
+    glmport.register_backend(_ToyBackend(name="amx", priority=3))
+    try:
+        assert resolve("rms_norm", device_type="cpu").backend == "amx"
+        assert resolve("rope", device_type="cpu").chain == ("amx", "generic")
+    finally:
+        glmport.unregister_backend("amx")
+
+
+def test_auto_with_a_device_of_no_vendor_backend_picks_the_composite(monkeypatch):
     monkeypatch.setenv("GLMPORT_DEVICE", "xpu:0")
     assert resolve("rms_norm").requested == "generic"
+    assert resolve("rms_norm", device_type="xpu").requested == "generic"
+
+
+class _EmulatedVendor(Backend):
+    """A fake vendor whose kernels differ between its emulator and its hardware path."""
+
+    manifest = BackendManifest(
+        name="fakechip",
+        device_type="cpu",
+        description="test double",
+        ops=("rms_norm",),
+        emulation="a stand-in",
+        priority=-1,
+    )
+
+    def __init__(self):
+        self.loads = []
+
+    def probe(self, emulate):
+        return Availability(True, "emulated" if emulate else "", emulated=emulate)
+
+    def load_kernels(self, emulate):
+        self.loads.append(emulate)
+        value = 1.0 if emulate else 2.0
+        return {"rms_norm": lambda x, w, eps=1e-6: torch.full_like(x, value)}
+
+
+def test_kernels_are_loaded_and_cached_per_emulation_setting():
+    vendor = _EmulatedVendor()
+    glmport.register_backend(vendor)
+    try:
+        for _ in range(2):
+            with glmport.use_backend("fakechip", emulate=True):
+                assert torch.all(_norm() == 1.0)
+                assert resolve("rms_norm").emulated
+            with glmport.use_backend("fakechip", emulate=False):
+                assert torch.all(_norm() == 2.0)
+                assert not resolve("rms_norm").emulated
+    finally:
+        glmport.unregister_backend("fakechip")
+    assert vendor.loads == [True, False]
+
+
+class _SecondComposite(Backend):
+    manifest = BackendManifest(
+        name="composite2",
+        device_type="any",
+        description="test double: the generic kernels under another name",
+        ops=OP_NAMES,
+        role="composite",
+        priority=-5,
+    )
+
+    def load_kernels(self, emulate):
+        from glmport.core.registry import REGISTRY
+
+        return REGISTRY.kernels("generic", emulate)
+
+
+def test_roles_come_from_manifests_not_names():
+    from glmport.core.registry import REGISTRY
+
+    assert REGISTRY.reference() == "cpu"
+    assert REGISTRY.with_role("composite") == ("generic",)
+    glmport.register_backend(_SecondComposite())
+    glmport.register_backend(_ToyBackend(name="v"))
+    try:
+        assert REGISTRY.with_role("composite") == ("generic", "composite2")
+        with glmport.use_backend("composite2"):
+            assert resolve("rope").chain == ("composite2",)
+        with glmport.use_backend("v"):
+            assert resolve("rope").chain == ("v", "generic")
+    finally:
+        glmport.unregister_backend("composite2")
+        glmport.unregister_backend("v")
+
+
+def test_core_and_the_conformance_runner_name_no_backend():
+    import ast
+    from pathlib import Path
+
+    import glmport.conformance.runner as runner
+    import glmport.core as core
+
+    files = [*Path(core.__file__).parent.rglob("*.py"), Path(runner.__file__)]
+    for path in files:
+        names = {
+            node.value
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        }
+        assert not names & {"generic", "cuda", "ascend", "npu"}, path
 
 
 def test_registering_a_builtin_name_needs_replace():
@@ -269,9 +439,10 @@ class _FakeEntryPoint:
 def entry_points(monkeypatch):
     """Install fake entry points for the glmport.backends group."""
     found = []
+    real = metadata.entry_points
 
     def fake_entry_points(group=None):
-        return list(found) if group == registry.ENTRY_POINT_GROUP else []
+        return [*real(group=group), *found] if group == registry.ENTRY_POINT_GROUP else []
 
     monkeypatch.setattr(metadata, "entry_points", fake_entry_points)
     monkeypatch.setattr(registry.REGISTRY, "_entry_points", None)
@@ -279,7 +450,7 @@ def entry_points(monkeypatch):
     registry.REGISTRY._entry_points = None
     for ep in found:
         registry.REGISTRY._loaded.pop(ep.name, None)
-        registry.REGISTRY._forget(ep.name)
+        registry.REGISTRY.forget(ep.name)
     glmport.core.selection.clear_cache()
 
 

@@ -25,7 +25,7 @@ class _NormBackend(Backend):
     def probe(self, emulate):
         return Availability(True)
 
-    def load_kernels(self):
+    def load_kernels(self, emulate):
         ref = composite_kernel("rms_norm")
         return {"rms_norm": lambda x, w, eps=1e-6: ref(x, w, eps) + self.bias}
 

@@ -21,12 +21,13 @@ class AscendBackend(Backend):
         priority=30,
         emulation="CPU emulator of the torch_npu op contracts",
         verified="not verified on real hardware",
+        stack=("torch-npu", "$ASCEND_TOOLKIT_HOME"),
     )
 
     def probe(self, emulate: bool) -> Availability:
         return Availability(False, "no torch_npu adapters in this glmport version yet")
 
-    def load_kernels(self) -> Mapping[str, Kernel]:
+    def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         return {}
 
 

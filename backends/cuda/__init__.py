@@ -22,12 +22,13 @@ class CudaBackend(Backend):
         priority=30,
         emulation="Triton interpreter (TRITON_INTERPRET=1) on CPU tensors",
         verified="not verified on real hardware",
+        stack=("triton",),
     )
 
     def probe(self, emulate: bool) -> Availability:
         return Availability(False, "no Triton kernels in this glmport version yet")
 
-    def load_kernels(self) -> Mapping[str, Kernel]:
+    def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         return {}
 
 

@@ -7,14 +7,15 @@ operations, no device-specific calls; the device comes from the inputs. Heavy op
 are tiled under a memory budget (``GLMPORT_TILE_MB``, see ``tiling.py``): sparse
 attention gathers only the selected slots in query chunks, the indexer keeps a
 running top-k over key tiles, log-probs use an online log-sum-exp over vocabulary
-tiles. Expert parallelism over ``torch.distributed``: :mod:`.ep`.
+tiles. Expert parallelism (``"expert_parallel"``): all-to-all over
+``torch.distributed``, :mod:`.ep`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from glmport.core.registry import ANY_DEVICE, Backend, BackendManifest, Kernel
+from glmport.core.registry import ANY_DEVICE, COMPOSITE, Backend, BackendManifest, Kernel
 from glmport.core.specs import OP_NAMES
 
 
@@ -23,20 +24,39 @@ class GenericBackend(Backend):
         name="generic",
         device_type=ANY_DEVICE,
         description="device-neutral, memory-bounded torch composites (any torch device)",
-        ops=OP_NAMES,
-        fallback=("cpu",),
+        ops=(*OP_NAMES, "expert_parallel"),
+        role=COMPOSITE,
         priority=10,
         verified="CI on x86_64 CPUs; not verified on an accelerator",
     )
 
-    def load_kernels(self) -> Mapping[str, Kernel]:
-        from . import attention, indexer, logprobs, moe, norm_rope, quant
+    def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
+        from . import attention, ep, indexer, logprobs, moe, norm_rope, quant
 
-        modules = (attention, indexer, logprobs, moe, norm_rope, quant)
-        kernels = {op: getattr(m, op) for m in modules for op in OP_NAMES if hasattr(m, op)}
-        kernels["sparse_attention:backward"] = attention.sparse_attention_backward
-        kernels["token_logprobs:backward"] = logprobs.token_logprobs_backward
-        return kernels
+        return {
+            "lightning_indexer": indexer.lightning_indexer,
+            "indexer_logits": indexer.indexer_logits,
+            "sparse_attention": attention.sparse_attention,
+            "sparse_attention:backward": attention.sparse_attention_backward,
+            "moe_gate": moe.moe_gate,
+            "moe_dispatch": moe.moe_dispatch,
+            "moe_combine": moe.moe_combine,
+            "grouped_gemm": moe.grouped_gemm,
+            "grouped_gemm:prepared": moe.grouped_gemm_prepared,
+            "quantize": quant.quantize,
+            "quant_gemm": quant.quant_gemm,
+            "quant_gemm:prepared": quant.quant_gemm_prepared,
+            "rms_norm": norm_rope.rms_norm,
+            "rope": norm_rope.rope,
+            "token_logprobs": logprobs.token_logprobs,
+            "token_logprobs:backward": logprobs.token_logprobs_backward,
+            "expert_parallel": ep.AllToAllExpertParallel,
+        }
+
+    def prepare_weight(self, op, w, w_scale, scheme, emulate):
+        from .quant import prepare_weight
+
+        return prepare_weight(op, w, w_scale, scheme, emulate)
 
 
 BACKEND = GenericBackend()

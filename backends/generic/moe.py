@@ -9,12 +9,12 @@ import functools
 
 import torch
 
-from glmport.backends.cpu.moe import moe_combine, moe_dispatch, moe_gate
+from glmport.backends.cpu.moe import moe_combine, moe_dispatch, moe_gate, owned_rows
 from glmport.core.formats import FLOAT_WEIGHT
 
-from .quant import quant_gemm
+from .quant import int_gemm, quant_gemm
 
-__all__ = ["grouped_gemm", "moe_combine", "moe_dispatch", "moe_gate"]
+__all__ = ["grouped_gemm", "grouped_gemm_prepared", "moe_combine", "moe_dispatch", "moe_gate"]
 
 
 @functools.cache
@@ -38,18 +38,46 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def grouped_gemm(x, w, expert_offsets, w_scale=None, scheme=FLOAT_WEIGHT, group_size=128):
+    m = x.shape[0]
+    offsets = owned_rows(expert_offsets, m)  # a partition even when unchecked (meta mode)
     fused = scheme == FLOAT_WEIGHT and _fused_grouped_mm(x.device.type, x.dtype)
     if fused and _aligned(x) and _aligned(w):
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32))
-    bounds = expert_offsets.tolist()
-    out = x.new_empty((x.shape[0], w.shape[1]))
-    for e in range(w.shape[0]):
-        r0, r1 = bounds[e], bounds[e + 1]
-        if r1 == r0:
-            continue
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32))
+        # _grouped_mm starts expert 0 at row 0 and leaves rows past the last offset
+        # unwritten: zero the rows of no expert on the device, without a host sync.
+        rows = torch.arange(m, device=x.device)
+        return y.masked_fill_(((rows < offsets[0]) | (rows >= offsets[-1]))[:, None], 0)
+
+    def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
         if scheme == FLOAT_WEIGHT:
-            torch.matmul(x[r0:r1], w[e].T, out=out[r0:r1])
+            torch.matmul(rows, w[e].T, out=out)
         else:
             scale = None if w_scale is None else w_scale[e]
-            out[r0:r1] = quant_gemm(x[r0:r1], w[e], scale, scheme, group_size)
+            out.copy_(quant_gemm(rows, w[e], scale, scheme, group_size))
+
+    return _per_expert(x, offsets, w.shape[0], w.shape[1], expert)
+
+
+def grouped_gemm_prepared(x, prepared, expert_offsets, w_scale, scheme, group_size=128):
+    """``grouped_gemm`` on weights from :func:`.quant.prepare_weight` (``w_t [E, K, N]``)."""
+    w_t = prepared.native["w_t"]
+    offsets = owned_rows(expert_offsets, x.shape[0])
+
+    def expert(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(int_gemm(rows, w_t[e], w_scale[e]))
+
+    return _per_expert(x, offsets, w_t.shape[0], w_t.shape[2], expert)
+
+
+def _per_expert(x, offsets, num_experts: int, n: int, expert) -> torch.Tensor:
+    """``[M, n]``: ``expert(e, rows, out)`` writes each expert's rows in place; rows of
+    no expert are zero."""
+    bounds = offsets.tolist()
+    out = x.new_empty((x.shape[0], n))
+    out[: bounds[0]] = 0
+    out[bounds[-1] :] = 0
+    for e in range(num_experts):
+        r0, r1 = bounds[e], bounds[e + 1]
+        if r1 > r0:
+            expert(e, x[r0:r1], out[r0:r1])
     return out

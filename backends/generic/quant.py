@@ -19,7 +19,7 @@ from glmport.core.formats import (
     unpack_int4,
 )
 
-__all__ = ["quant_gemm", "quantize"]
+__all__ = ["int_gemm", "prepare_weight", "quant_gemm", "quant_gemm_prepared", "quantize"]
 
 
 @functools.cache
@@ -39,11 +39,29 @@ def _has(device_type: str, probe: str) -> bool:
         return False
 
 
-def _int_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Exact int32 ``a @ b.T`` for int8 ``a [M, g]``, ``b [N, g]``."""
+def _int_dot(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """Exact int32 ``a @ b_t`` for int8 ``a [M, g]``, contiguous int8 ``b_t [g, N]``."""
     if _has(a.device.type, "int_mm"):
-        return torch._int_mm(a, b.T.contiguous())
-    return a.to(torch.int32) @ b.to(torch.int32).T
+        return torch._int_mm(a, b_t)
+    return a.to(torch.int32) @ b_t.to(torch.int32)
+
+
+def int8_transposed(w: torch.Tensor, scheme: str) -> torch.Tensor:
+    """An int8 / int4 packed weight ``[..., N, K']`` as contiguous int8 ``[..., K, N]``:
+    the layout the integer GEMM multiplies by (int4 unpacked, one byte a value)."""
+    qw = unpack_int4(w) if SCHEMES[scheme].weight.storage == torch.uint8 else w
+    return qw.transpose(-1, -2).contiguous()
+
+
+def prepare_weight(op, w, w_scale, scheme, emulate):
+    """The generic backend's native layout: W8A8 / W4A8 weights unpacked and
+    transposed once (``{"w_t": int8 [..., K, N]}``), so a call skips the int4 unpack
+    and the per-call transposed copy. Int4 weights then take a byte a value (twice
+    the packed size) while prepared. Other schemes keep the canonical layout."""
+    act = SCHEMES[scheme].activation
+    if act is None or act.storage != torch.int8:
+        return None
+    return {"w_t": int8_transposed(w, scheme)}
 
 
 def quant_gemm(x, w, w_scale, scheme, group_size=128):
@@ -54,19 +72,27 @@ def quant_gemm(x, w, w_scale, scheme, group_size=128):
         xf = fake_quant_activation(x, scheme) if w_scale is None else x.float()
         return (xf @ dequantize_weight(w, w_scale, scheme, group_size).T).to(x.dtype)
     if s.activation.storage == torch.int8:
-        return _int_gemm(x, w, w_scale, scheme).to(x.dtype)
+        return int_gemm(x, int8_transposed(w, scheme), w_scale).to(x.dtype)
     return _fp8_gemm(x, w, w_scale, scheme).to(x.dtype)
 
 
-def _int_gemm(x, w, w_scale, scheme):
+def quant_gemm_prepared(x, prepared, w_scale, scheme, group_size=128):
+    """``quant_gemm`` on a weight from :func:`prepare_weight`."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, prepared.w.shape[0]))
+    return int_gemm(x, prepared.native["w_t"], w_scale).to(x.dtype)
+
+
+def int_gemm(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 / W4A8: ``x [M, K]`` quantised per row to int8, times int8 ``w_t [K, N]``
+    (see :func:`int8_transposed`) per weight group, exact in int32; fp32 ``[M, N]``."""
     qx, sx = quantize_tensor(x, "int8_row", x.shape[1])
-    qw = unpack_int4(w) if SCHEMES[scheme].weight.storage == torch.uint8 else w
-    k = qx.shape[1]
-    sw = w_scale.reshape(qw.shape[0], -1)  # [N, G]; per-channel is one group of K
+    k, n = w_t.shape
+    sw = w_scale.reshape(n, -1)  # [N, G]; per-channel is one group of K
     g = k // sw.shape[1]
-    y = torch.zeros(qx.shape[0], qw.shape[0], device=x.device)
+    y = torch.zeros(qx.shape[0], n, device=x.device)
     for gi in range(sw.shape[1]):
-        part = _int_dot(qx[:, gi * g : (gi + 1) * g], qw[:, gi * g : (gi + 1) * g])
+        part = _int_dot(qx[:, gi * g : (gi + 1) * g], w_t[gi * g : (gi + 1) * g])
         y += part.float() * sw[:, gi][None, :]
     return y * sx[:, None]
 

@@ -9,7 +9,7 @@ differentiable). The family modules hold the specs and the documented public cal
 from __future__ import annotations
 
 from .attention import SPARSE_ATTENTION
-from .base import Features, OpSpec
+from .base import OpSpec
 from .indexer import INDEXER_LOGITS, LIGHTNING_INDEXER
 from .logprobs import TOKEN_LOGPROBS
 from .moe import GROUPED_GEMM, MOE_COMBINE, MOE_DISPATCH, MOE_GATE
@@ -34,5 +34,9 @@ SPECS: dict[str, OpSpec] = {
     )
 }
 OP_NAMES: tuple[str, ...] = tuple(SPECS)
+# Parts of the interface that are not single tensor ops: a backend provides each as a
+# factory in its kernel table (see ``glmport.core.expert_parallel``).
+COMPONENT_NAMES: tuple[str, ...] = ("expert_parallel",)
+INTERFACE_NAMES: tuple[str, ...] = (*OP_NAMES, *COMPONENT_NAMES)
 
-__all__ = ["OP_NAMES", "SPECS", "Features", "OpSpec"]
+__all__ = ["COMPONENT_NAMES", "INTERFACE_NAMES", "OP_NAMES", "SPECS", "OpSpec"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
-from .base import Features, OpSpec, invoke
+from .base import OpSpec, invoke
 
 
 def _check(c: Checker, q, k, v, indices, scale, *, values):
@@ -37,7 +37,15 @@ SPARSE_ATTENTION = OpSpec(
     "-> (Tensor out, Tensor lse)",
     check=_check,
     fake=_fake,
-    features=lambda q, *_: Features(dtype=q.dtype, head_dim=q.shape[-1]),
+    features=lambda q, k, v, indices, scale: {
+        "dtype": q.dtype,
+        "q_heads": q.shape[1],
+        "kv_heads": k.shape[1],
+        "head_dim": q.shape[2],
+        "v_head_dim": v.shape[2],
+        "topk": indices.shape[1],
+    },
+    feature_names=("dtype", "q_heads", "kv_heads", "head_dim", "v_head_dim", "topk"),
     differentiable=("q", "k", "v"),
 )
 

@@ -12,21 +12,14 @@ from ..validate import Checker
 
 
 @dataclass(frozen=True)
-class Features:
-    """What a call asks of a backend, matched against its declared capabilities."""
-
-    dtype: torch.dtype
-    head_dim: int | None = None
-    scheme: str | None = None
-
-
-@dataclass(frozen=True)
 class OpSpec:
     """One op of the interface.
 
     ``check(c, *args, values=...)`` raises :class:`~glmport.core.errors.OpInputError`
     on a bad call; ``fake(*args)`` returns empty outputs of the right shapes and dtypes;
-    ``features(*args)`` says what the call needs (dtype, head dim, scheme);
+    ``features(*args)`` says what the call needs, as ``{name: value}`` over exactly
+    ``feature_names`` (a value of None: the call does not have that feature);
+    backends limit these names in their capabilities;
     ``differentiable`` names the inputs that receive gradients (empty: no autograd);
     ``backward`` optionally replaces the default vjp-of-the-reference backward with
     closed-form gradients: ``backward(inputs, grad_outputs) -> grads per input``;
@@ -38,7 +31,8 @@ class OpSpec:
     schema: str
     check: Callable[..., None]
     fake: Callable[..., object]
-    features: Callable[..., Features]
+    features: Callable[..., dict[str, object]]
+    feature_names: tuple[str, ...]
     differentiable: tuple[str, ...] = ()
     backward: Callable[..., tuple] | None = None
     tie_outputs: tuple[int, ...] = ()
@@ -64,15 +58,59 @@ class OpSpec:
         self.check(Checker(self.name), *args, values=values)
 
 
-def invoke(spec: OpSpec, *args: object):
-    """Call ``torch.ops.glmport.<spec.name>`` with ``args`` in schema order.
+# glmport.core.library installs dispatch.run here when it registers the ops: the path
+# eager calls take around the torch.library dispatcher (see _plain_eager_call).
+_eager_run: Callable[[str, tuple], object] | None = None
 
-    The dispatcher rejects arguments of the wrong Python type before glmport's checks
-    run; in that case the spec's checks are run here so the error names the op and
-    the argument in glmport's terms. It also silently converts some scalars (a bool
-    into an int or float argument, ``1`` or ``None`` into a bool one) that glmport's
-    checks reject, so those calls are checked here first.
+
+def set_eager_runner(run: Callable[[str, tuple], object]) -> None:
+    """Install the function that runs an op call outside the dispatcher."""
+    global _eager_run
+    _eager_run = run
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _plain_eager_call(args: tuple) -> bool:
+    """Whether a call may skip the dispatcher with no change of meaning: nothing traces
+    or transforms it (torch.compile / export, dispatch or function modes, vmap and
+    grad transforms, the profiler), no input needs autograd, and every tensor is a
+    plain, non-meta tensor (fake and other subclasses need the registered kernels)."""
+    if (
+        torch.compiler.is_compiling()
+        or _dispatch_modes()
+        or _function_mode()
+        or _functorch_level() is not None
+        or _profiling()
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (
+            type(a) not in _PLAIN_TENSORS or a.is_meta or (grad and a.requires_grad)
+        ):
+            return False
+    return True
+
+
+def invoke(spec: OpSpec, *args: object):
+    """Call op ``spec`` with ``args`` in schema order.
+
+    A plain eager call (see :func:`_plain_eager_call`) runs glmport's dispatch
+    directly; any other goes through ``torch.ops.glmport.<spec.name>``, whose kernel
+    is the same dispatch. The dispatcher rejects arguments of the wrong Python type
+    before glmport's checks run; in that case the spec's checks are run here so the
+    error names the op and the argument in glmport's terms. It also silently converts
+    some scalars (a bool into an int or float argument, ``1`` or ``None`` into a bool
+    one) that glmport's checks reject, so those calls are checked here first.
     """
+    if _eager_run is not None and len(args) == len(spec.arg_names) and _plain_eager_call(args):
+        return _eager_run(spec.name, args)
     op = getattr(torch.ops.glmport, spec.name)
     if _coerced(spec, args):
         spec.validate(args, values=False)
@@ -83,6 +121,16 @@ def invoke(spec: OpSpec, *args: object):
             raise
         spec.validate(args, values=False)
         raise
+
+
+def invoke_prepared(spec: OpSpec, args: tuple):
+    """Call op ``spec`` with a prepared weight as its second argument ``w`` (a
+    :class:`~glmport.core.specs.quant.PreparedWeight`): a plain eager call reaches the
+    dispatch with it, which may run the backend's ``"<op>:prepared"`` kernel; any other
+    call runs the op on the canonical weight it keeps."""
+    if _eager_run is not None and _plain_eager_call(args):
+        return _eager_run(spec.name, args)
+    return invoke(spec, args[0], args[1].w, *args[2:])
 
 
 def _coerced(spec: OpSpec, args: tuple) -> bool:

@@ -6,7 +6,7 @@ import torch
 
 from ..formats import FP8_DTYPE
 from ..validate import FLOAT_DTYPES, Checker
-from .base import Features, OpSpec, invoke
+from .base import OpSpec, invoke
 
 _QK_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
 
@@ -54,8 +54,15 @@ def _check_scores_inputs(c: Checker, q, k, weights, k_start, k_end, q_scale, k_s
                 c.finite_positive(name, s)
 
 
-def _features(q, *_args) -> Features:
-    return Features(dtype=q.dtype, head_dim=q.shape[-1])
+_SCORE_FEATURES = ("dtype", "q_heads", "head_dim", "keys")
+
+
+def _features(q, k, *_args) -> dict[str, object]:
+    return {"dtype": q.dtype, "q_heads": q.shape[1], "head_dim": q.shape[2], "keys": k.shape[0]}
+
+
+def _indexer_features(q, k, weights, k_start, k_end, topk, *_args) -> dict[str, object]:
+    return {**_features(q, k), "topk": topk}
 
 
 # -- lightning_indexer -------------------------------------------------------------
@@ -80,7 +87,8 @@ LIGHTNING_INDEXER = OpSpec(
     "Tensor? q_scale=None, Tensor? k_scale=None) -> (Tensor indices, Tensor scores)",
     check=_check_indexer,
     fake=_fake_indexer,
-    features=_features,
+    features=_indexer_features,
+    feature_names=(*_SCORE_FEATURES, "topk"),
     tie_outputs=(0,),
 )
 
@@ -137,6 +145,7 @@ INDEXER_LOGITS = OpSpec(
     check=_check_logits,
     fake=_fake_logits,
     features=_features,
+    feature_names=_SCORE_FEATURES,
     differentiable=("q", "k", "weights"),
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
-from .base import Features, OpSpec, invoke
+from .base import OpSpec, invoke
 
 
 def _check(c: Checker, hidden, lm_head, targets, temperature, *, values):
@@ -30,7 +30,12 @@ TOKEN_LOGPROBS = OpSpec(
     "-> (Tensor logp, Tensor entropy)",
     check=_check,
     fake=_fake,
-    features=lambda hidden, *_: Features(dtype=hidden.dtype, head_dim=hidden.shape[-1]),
+    features=lambda hidden, lm_head, *_: {
+        "dtype": hidden.dtype,
+        "hidden": hidden.shape[1],
+        "vocab": lm_head.shape[0],
+    },
+    feature_names=("dtype", "hidden", "vocab"),
     differentiable=("hidden", "lm_head"),
 )
 

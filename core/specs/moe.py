@@ -6,8 +6,8 @@ import torch
 
 from ..formats import FLOAT_WEIGHT, dequantize_weight, fake_quant_activation
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
-from .base import Features, OpSpec, invoke
-from .quant import check_quant_weight
+from .base import OpSpec, invoke, invoke_prepared
+from .quant import PreparedWeight, check_quant_weight
 
 # -- moe_gate ----------------------------------------------------------------------
 
@@ -64,7 +64,14 @@ MOE_GATE = OpSpec(
     "-> (Tensor weights, Tensor ids)",
     check=_check_gate,
     fake=_fake_gate,
-    features=lambda logits, *_: Features(dtype=logits.dtype),
+    features=lambda logits, bias, top_k, n_group=1, topk_group=1, *_: {
+        "dtype": logits.dtype,
+        "experts": logits.shape[1],
+        "top_k": top_k,
+        "n_group": n_group,
+        "topk_group": topk_group,
+    },
+    feature_names=("dtype", "experts", "top_k", "n_group", "topk_group"),
     differentiable=("logits",),
     tie_outputs=(1,),
 )
@@ -80,14 +87,18 @@ def moe_gate(
     norm_topk_prob: bool = True,
     score_func: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route each token to ``top_k`` experts (DeepSeek-V3 / GLM-5 "noaux_tc" router).
+    """Route each token to ``top_k`` experts (DeepSeek-V3 / GLM-5 router).
 
-    ``s = sigmoid(logits)`` (or softmax); the choice uses ``s + bias``: experts are
-    split into ``n_group`` groups, each scored by the sum of its best two choice
-    scores (its best one if a group has one expert), the best ``topk_group`` groups
-    are kept, and the ``top_k`` best experts inside them chosen. The weights use the
-    unbiased ``s``: ``w = s[ids]``, divided by ``sum(w) + 1e-20`` if
-    ``norm_topk_prob``, times ``routed_scaling_factor``.
+    ``s = sigmoid(logits)`` (or softmax); the choice uses ``c = s + bias`` (``c = s``
+    without a bias). With ``n_group > 1`` the experts are split into ``n_group``
+    contiguous groups of ``E / n_group``, each scored as DeepSeek-V3's gate and vLLM's
+    ``grouped_topk`` do: without a bias by its best ``c``; with a bias ("noaux_tc") by
+    the sum of its best two ``c`` (its best one if a group has one expert). The best
+    ``topk_group`` groups are kept (equal group scores: the lower group index wins)
+    and the ``top_k`` best experts inside them chosen by ``c`` (equal scores: the
+    lower expert id wins). The weights use the unbiased ``s``: ``w = s[ids]``,
+    divided by ``sum(w) + 1e-20`` if ``norm_topk_prob``, times
+    ``routed_scaling_factor``.
 
     Args:
         logits: ``[T, E]`` fp32 router logits.
@@ -137,7 +148,13 @@ MOE_DISPATCH = OpSpec(
     "-> (Tensor x_sorted, Tensor expert_offsets, Tensor src_row)",
     check=_check_dispatch,
     fake=_fake_dispatch,
-    features=lambda x, *_: Features(dtype=x.dtype),
+    features=lambda x, ids, num_experts: {
+        "dtype": x.dtype,
+        "hidden": x.shape[1],
+        "top_k": ids.shape[1],
+        "experts": num_experts,
+    },
+    feature_names=("dtype", "hidden", "top_k", "experts"),
     differentiable=("x",),
 )
 
@@ -192,7 +209,12 @@ MOE_COMBINE = OpSpec(
     schema="(Tensor y_sorted, Tensor src_row, Tensor weights) -> Tensor",
     check=_check_combine,
     fake=_fake_combine,
-    features=lambda y_sorted, *_: Features(dtype=y_sorted.dtype),
+    features=lambda y_sorted, src_row, weights: {
+        "dtype": y_sorted.dtype,
+        "hidden": y_sorted.shape[1],
+        "top_k": weights.shape[1],
+    },
+    feature_names=("dtype", "hidden", "top_k"),
     differentiable=("y_sorted", "weights"),
 )
 
@@ -276,9 +298,14 @@ GROUPED_GEMM = OpSpec(
     "str scheme='none', int group_size=128) -> Tensor",
     check=_check_grouped,
     fake=_fake_grouped,
-    features=lambda x, w, o, w_scale=None, scheme=FLOAT_WEIGHT, *_: Features(
-        dtype=x.dtype, scheme=None if scheme == FLOAT_WEIGHT else scheme
-    ),
+    features=lambda x, w, o, w_scale=None, scheme=FLOAT_WEIGHT, *_: {
+        "dtype": x.dtype,
+        "scheme": None if scheme == FLOAT_WEIGHT else scheme,
+        "experts": w.shape[0],
+        "out_features": w.shape[1],
+        "in_features": x.shape[1],
+    },
+    feature_names=("dtype", "scheme", "experts", "out_features", "in_features"),
     differentiable=("x", "w"),
     backward=_grouped_backward,
 )
@@ -286,7 +313,7 @@ GROUPED_GEMM = OpSpec(
 
 def grouped_gemm(
     x: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | PreparedWeight,
     expert_offsets: torch.Tensor,
     w_scale: torch.Tensor | None = None,
     scheme: str = FLOAT_WEIGHT,
@@ -298,7 +325,8 @@ def grouped_gemm(
         x: ``[M, K]`` fp32 | bf16 | fp16, rows sorted by expert (see :func:`moe_dispatch`).
         w: ``[E, N, K]`` in ``x``'s dtype with ``scheme='none'``; otherwise per-expert
             weights in ``scheme``'s packed layout (``[E, ...]``) or float for QAT, as
-            in :func:`quant_gemm`.
+            in :func:`quant_gemm`; or a :class:`PreparedWeight` of ``[E, ...]`` packed
+            weights from :func:`glmport.prepare_weight` (it carries the scales).
         expert_offsets: ``[E + 1]`` int32 | int64, non-decreasing, ``0`` to ``M``.
         w_scale: ``[E, ...]`` float32 scales for packed weights, else None.
         scheme: ``'none'`` or a :func:`quant_gemm` scheme.
@@ -307,4 +335,7 @@ def grouped_gemm(
     Returns:
         ``[M, N]`` in ``x``'s dtype. Differentiable in ``x`` and float ``w``.
     """
+    if isinstance(w, PreparedWeight):
+        args = (x, w, expert_offsets, w.w_scale, w.scheme, w.group_size)
+        return invoke_prepared(GROUPED_GEMM, args)
     return invoke(GROUPED_GEMM, x, w, expert_offsets, w_scale, scheme, group_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..validate import FLOAT_DTYPES, Checker
-from .base import Features, OpSpec, invoke
+from .base import OpSpec, invoke
 
 # -- rms_norm ----------------------------------------------------------------------
 
@@ -24,7 +24,8 @@ RMS_NORM = OpSpec(
     schema="(Tensor x, Tensor weight, float eps=1e-06) -> Tensor",
     check=_check_rms,
     fake=lambda x, weight, eps=1e-6: torch.empty_like(x),
-    features=lambda x, *_: Features(dtype=x.dtype, head_dim=x.shape[-1]),
+    features=lambda x, *_: {"dtype": x.dtype, "hidden": x.shape[-1]},
+    feature_names=("dtype", "hidden"),
     differentiable=("x", "weight"),
 )
 
@@ -68,7 +69,12 @@ ROPE = OpSpec(
     schema="(Tensor x, Tensor cos, Tensor sin, bool interleaved=True) -> Tensor",
     check=_check_rope,
     fake=lambda x, cos, sin, interleaved=True: torch.empty_like(x),
-    features=lambda x, *_: Features(dtype=x.dtype, head_dim=x.shape[-1]),
+    features=lambda x, cos, sin, interleaved=True: {
+        "dtype": x.dtype,
+        "rope_dim": x.shape[-1],
+        "interleaved": interleaved,
+    },
+    feature_names=("dtype", "rope_dim", "interleaved"),
     differentiable=("x",),
 )
 

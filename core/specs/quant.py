@@ -3,6 +3,9 @@ fake-quantised (QAT) weights. Formats and schemes: :mod:`glmport.core.formats`."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import OpInputError
@@ -14,7 +17,48 @@ from ..formats import (
     fake_quant_activation,
 )
 from ..validate import FLOAT_DTYPES, Checker, describe
-from .base import Features, OpSpec, invoke
+from .base import OpSpec, invoke, invoke_prepared
+
+# -- prepared weights ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedWeight:
+    """One quantised weight, prepared for ``backend``'s kernels.
+
+    Attributes:
+        op: ``"quant_gemm"`` (``w [N, K']``) or ``"grouped_gemm"`` (``w [E, N, K']``).
+        w, w_scale, scheme, group_size: the canonical weight (``core/formats.py``),
+            kept for calls that cannot take the native layout and for checkpoints.
+        backend, emulate: whose native layout ``native`` is, under which emulation
+            setting.
+        native: the backend's own tensors by name, or None when it takes the
+            canonical layout (then calls simply run the op on ``w``).
+        version: ``w``'s in-place version when prepared (see :meth:`is_current`).
+    """
+
+    op: str
+    w: torch.Tensor
+    w_scale: torch.Tensor | None
+    scheme: str
+    group_size: int
+    backend: str
+    emulate: bool
+    native: Mapping[str, torch.Tensor] | None = None
+    version: int = 0
+
+    def is_current(self, w: torch.Tensor) -> bool:
+        """Whether this was prepared from ``w`` as it is now (same tensor, not written
+        in place since, e.g. by ``load_state_dict``)."""
+        return w is self.w and w._version == self.version
+
+    def __repr__(self) -> str:
+        layout = f"native {sorted(self.native)}" if self.native is not None else "canonical"
+        return (
+            f"PreparedWeight({self.op}, {self.scheme}, w {list(self.w.shape)} on "
+            f"{self.w.device}, for {self.backend!r}: {layout})"
+        )
+
 
 # -- quantize ----------------------------------------------------------------------
 
@@ -53,7 +97,12 @@ QUANTIZE = OpSpec(
     schema="(Tensor x, str fmt, int group_size=128) -> (Tensor q, Tensor scale)",
     check=_check_quantize,
     fake=_fake_quantize,
-    features=lambda x, fmt, *_: Features(dtype=x.dtype, scheme=fmt),
+    features=lambda x, fmt, group_size=128: {
+        "dtype": x.dtype,
+        "format": fmt,
+        "group_size": group_size,
+    },
+    feature_names=("dtype", "format", "group_size"),
 )
 
 
@@ -152,7 +201,13 @@ QUANT_GEMM = OpSpec(
     schema="(Tensor x, Tensor w, Tensor? w_scale, str scheme, int group_size=128) -> Tensor",
     check=_check_quant_gemm,
     fake=_fake_quant_gemm,
-    features=lambda x, w, w_scale, scheme, *_: Features(dtype=x.dtype, scheme=scheme),
+    features=lambda x, w, w_scale, scheme, *_: {
+        "dtype": x.dtype,
+        "scheme": scheme,
+        "out_features": w.shape[0],
+        "in_features": x.shape[1],
+    },
+    feature_names=("dtype", "scheme", "out_features", "in_features"),
     differentiable=("x", "w"),
     backward=_quant_gemm_backward,
 )
@@ -160,9 +215,9 @@ QUANT_GEMM = OpSpec(
 
 def quant_gemm(
     x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor | None,
-    scheme: str,
+    w: torch.Tensor | PreparedWeight,
+    w_scale: torch.Tensor | None = None,
+    scheme: str | None = None,
     group_size: int = 128,
 ) -> torch.Tensor:
     """``y = x @ w.T`` with ``w`` quantised per ``scheme`` (activations quantised inside).
@@ -178,7 +233,9 @@ def quant_gemm(
     Args:
         x: ``[M, K]`` fp32 | bf16 | fp16.
         w: packed ``[N, K]`` int8 (w8a8), ``[N, K/2]`` uint8 (w4a8, w4a16),
-            ``[N, K]`` float8_e4m3fn (fp8_block*), or float ``[N, K]`` (QAT).
+            ``[N, K]`` float8_e4m3fn (fp8_block*), or float ``[N, K]`` (QAT); or a
+            :class:`PreparedWeight` from :func:`glmport.prepare_weight` (then
+            ``w_scale``, ``scheme`` and ``group_size`` come from it).
         w_scale: float32 scales of the weight format, or ``None`` in QAT mode.
         scheme: ``w8a8`` | ``w4a8`` | ``w4a16`` | ``fp8_block`` | ``fp8_block_ue8m0``.
         group_size: int4 weight group size in QAT mode (packed weights carry theirs
@@ -188,6 +245,8 @@ def quant_gemm(
         ``[M, N]`` in ``x``'s dtype. Differentiable in ``x`` (both modes) and ``w``
         (QAT mode).
     """
+    if isinstance(w, PreparedWeight):
+        return invoke_prepared(QUANT_GEMM, (x, w, w.w_scale, w.scheme, w.group_size))
     return invoke(QUANT_GEMM, x, w, w_scale, scheme, group_size)
 
 

@@ -21,7 +21,6 @@ class ExampleBackend(Backend):
         device_type="cpu",
         description="example plug-in: torch's fused rms_norm, everything else falls back",
         ops=("rms_norm",),
-        fallback=("generic", "cpu"),
         priority=1,
         verified="CI on x86_64 CPUs (glmport's example plug-in)",
     )
@@ -29,7 +28,7 @@ class ExampleBackend(Backend):
     def probe(self, emulate: bool) -> Availability:
         return Availability(True, "runs wherever torch runs on a CPU")
 
-    def load_kernels(self) -> Mapping[str, object]:
+    def load_kernels(self, emulate: bool) -> Mapping[str, object]:
         return {"rms_norm": rms_norm}
 
 
