@@ -32,8 +32,12 @@ def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
-def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5) -> dict[str, float]:
-    """Median seconds of each function, run in turns so that machine noise hits all alike."""
+def interleaved_samples(
+    fns: dict[str, Callable[[], object]], repeats: int = 5
+) -> dict[str, list[float]]:
+    """Wall seconds of every run of each function, after one warm-up run each; the
+    functions run in turns (round ``i`` of each is sample ``i``) so that machine noise
+    hits all alike."""
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -42,6 +46,12 @@ def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5) ->
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each function, run in turns so that machine noise hits all alike."""
+    samples = interleaved_samples(fns, repeats)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -98,3 +108,10 @@ def table(rows: list[tuple]) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+
+def markdown_table(rows: list[tuple]) -> str:
+    """``rows`` (the first one the header) as a Markdown table."""
+    cells = [[str(c) for c in r] for r in rows]
+    lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells[1:]])
