@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from glmport import Availability, Backend, BackendManifest
+from glmport import Availability, Backend, BackendManifest, Capability
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -21,7 +21,11 @@ class ExampleBackend(Backend):
         device_type="cpu",
         description="example plug-in: torch's fused rms_norm, everything else falls back",
         ops=("rms_norm",),
-        priority=1,
+        # Limits on the features rms_norm names (docs/ops.md); other calls fall back.
+        capabilities={"rms_norm": Capability(dtype=(torch.float32, torch.bfloat16, torch.float16))},
+        # 0 ties with the reference, so GLMPORT_BACKEND=auto keeps CPU calls on it:
+        # installing a demo must not reroute anyone's calls. Select it by name.
+        priority=0,
         verified="CI on x86_64 CPUs (glmport's example plug-in)",
     )
 
@@ -29,6 +33,7 @@ class ExampleBackend(Backend):
         return Availability(True, "runs wherever torch runs on a CPU")
 
     def load_kernels(self, emulate: bool) -> Mapping[str, object]:
+        # One table per emulation setting; this backend has no emulator of its own.
         return {"rms_norm": rms_norm}
 
 
