@@ -113,6 +113,10 @@ def attention_cases() -> Iterator[Case]:
     shapes = [
         ("tiny", "tiny", dict(t=5, h=4, hkv=1, dk=32, dv=16, n=40, k=8), False),
         ("tiny_gqa", "tiny", dict(t=4, h=8, hkv=2, dk=32, dv=32, n=30, k=12), False),
+        # Every kv-head count of 8 query heads but MHA: a wrong head mapping (h % Hkv
+        # instead of h // (H / Hkv)) agrees with the right one only at Hkv = 1 or H.
+        ("gqa_hkv1", "edge", dict(t=3, h=8, hkv=1, dk=32, dv=16, n=24, k=10), False),
+        ("gqa_hkv4", "edge", dict(t=3, h=8, hkv=4, dk=32, dv=16, n=24, k=10), False),
         (
             "glm5_absorbed",
             "glm5",
@@ -178,6 +182,12 @@ def _indexer(t, hi, di, n, topk, *, ranges="causal", ties=False, fp8=False, logi
         elif ranges == "empty_row":
             start, end = _causal_ranges(t, n)
             start[0] = end[0] = 3
+        elif ranges == "peak":  # each range ends right at its query's best key, doubled
+            dots = torch.einsum("thd,nd->thn", q.double(), k.double()).relu()
+            scores = torch.einsum("th,thn->tn", w.double(), dots)
+            last = scores[:, topk : n - 1].argmax(dim=1) + topk
+            k[last] = k[last] * 2  # scores are positively homogeneous in the key
+            start, end = torch.zeros(t, dtype=torch.int32), (last + 1).to(torch.int32)
         else:
             start, end = torch.zeros(t, dtype=torch.int32), torch.full((t,), n, dtype=torch.int32)
         if fp8:
@@ -204,6 +214,9 @@ def indexer_cases() -> Iterator[Case]:
         ("packed_ragged", "edge", dict(t=8, hi=4, di=32, n=64, topk=12, ranges="packed")),
         ("topk_100", "edge", dict(t=3, hi=4, di=32, n=300, topk=100, ranges="full")),
         ("ties", "edge", dict(t=4, hi=4, di=32, n=40, topk=7, ranges="full", ties=True)),
+        # Each range ends right at a clearly best key: a range one key short loses it,
+        # beyond the near-tie slack of low precision (fp8).
+        ("ends_at_peak", "edge", dict(t=4, hi=4, di=32, n=64, topk=8, ranges="peak")),
     ]
     for name, family, p in shapes:
         full = name.endswith("_long")
@@ -241,12 +254,27 @@ def indexer_cases() -> Iterator[Case]:
 # -- MoE ---------------------------------------------------------------------------
 
 
-def _gate(t, e, top_k, n_group=1, topk_group=1, score_func="sigmoid", bias=True, ties=False):
+def _gate(
+    t,
+    e,
+    top_k,
+    n_group=1,
+    topk_group=1,
+    score_func="sigmoid",
+    bias=True,
+    ties=False,
+    group_ties=False,
+):
     def build(gen):
         logits = _randn(gen, t, e, scale=2.0)
         if ties:  # experts come in identical pairs
             logits = logits[:, torch.arange(e) // 2]
         b = _randn(gen, e, scale=0.1) if bias else None
+        if group_ties:  # every group's best two are the same two scores: all groups tie
+            best = torch.arange(n_group)[:, None] * (e // n_group) + torch.arange(2)
+            logits[:, best] = logits.amax(dim=1)[:, None, None] + torch.tensor([1.0, 0.5])
+            if b is not None:
+                b[best] = b.amax() + 0.05
         return logits, b, top_k, n_group, topk_group, 2.5, True, score_func
 
     return build
@@ -256,6 +284,26 @@ def moe_cases() -> Iterator[Case]:
     gates = [
         ("tiny", "tiny", dict(t=8, e=16, top_k=4)),
         ("grouped", "tiny", dict(t=8, e=32, top_k=8, n_group=4, topk_group=2)),
+        # Group scores: the best expert without a bias, the best two with one.
+        ("grouped_nobias", "edge", dict(t=16, e=32, top_k=6, n_group=4, topk_group=2, bias=False)),
+        (
+            "grouped_softmax",
+            "edge",
+            dict(t=8, e=64, top_k=4, n_group=8, topk_group=3, score_func="softmax", bias=False),
+        ),
+        ("glm5_grouped", "glm5", dict(t=32, e=256, top_k=8, n_group=8, topk_group=4)),
+        # Every group ties: the lower groups win; top_k > 2 * topk_group picks experts
+        # beyond the tied ones, so keeping other groups changes the choice.
+        (
+            "group_ties",
+            "edge",
+            dict(t=8, e=32, top_k=6, n_group=4, topk_group=2, group_ties=True),
+        ),
+        (
+            "group_ties_nobias",
+            "edge",
+            dict(t=8, e=32, top_k=6, n_group=4, topk_group=2, bias=False, group_ties=True),
+        ),
         ("softmax_nobias", "tiny", dict(t=8, e=16, top_k=2, score_func="softmax", bias=False)),
         ("glm5", "glm5", dict(t=64, e=256, top_k=8)),
         ("t1", "edge", dict(t=1, e=16, top_k=4)),
@@ -311,6 +359,28 @@ def _offsets(gen, m, e, empty=()):
     return torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))).to(torch.int32)
 
 
+def _scaled_tiles(gen, x, rows, cols):
+    """``x`` ``[R, C]`` with each ``rows x cols`` tile times a power of two from 1/4 to
+    8, a random permutation (all distinct up to 6 tiles): the scales of the tiles differ,
+    so reading one tile's scale for another's (a transposed or mis-indexed scale) cannot
+    pass, with ue8m0 scales too."""
+    r, c = x.shape
+    tiles = (-(-r // rows), -(-c // cols))
+    exps = torch.randperm(tiles[0] * tiles[1], generator=gen).view(tiles) % 6 - 2
+    factor = exps.exp2().repeat_interleave(rows, 0)[:r].repeat_interleave(cols, 1)[:, :c]
+    return x * factor.to(x.dtype)
+
+
+def _quantized_weight(gen, w, scheme, group_size):
+    """A float ``[N, K]`` weight with scales that differ per scale tile, packed."""
+    s = SCHEMES[scheme]
+    size = s.fixed_group_size or group_size
+    rows, cols = {"row": (1, w.shape[1]), "group": (1, size), "block": (size, size)}[
+        s.weight.granularity
+    ]
+    return quantize_tensor(_scaled_tiles(gen, w, rows, cols), s.weight.name, size)
+
+
 def _grouped(m, e, n, k, scheme=FLOAT_WEIGHT, group_size=128, empty=()):
     def build(gen, dtype):
         x = _randn(gen, m, k, dtype=dtype)
@@ -318,9 +388,7 @@ def _grouped(m, e, n, k, scheme=FLOAT_WEIGHT, group_size=128, empty=()):
         offsets = _offsets(gen, m, e, empty)
         if scheme == FLOAT_WEIGHT:
             return x, w.to(dtype), offsets, None, scheme, group_size
-        fmt = SCHEMES[scheme].weight.name
-        size = SCHEMES[scheme].fixed_group_size or group_size
-        packed = [quantize_tensor(w[i], fmt, size) for i in range(e)]
+        packed = [_quantized_weight(gen, w[i], scheme, group_size) for i in range(e)]
         wq = torch.stack([p[0] for p in packed])
         ws = torch.stack([p[1] for p in packed])
         return x, wq, offsets, ws, scheme, group_size
@@ -333,9 +401,13 @@ def _grouped_cases() -> Iterator[Case]:
         ("tiny", "tiny", dict(m=20, e=4, n=16, k=64)),
         ("empty_experts", "edge", dict(m=12, e=6, n=16, k=64, empty=(0, 3, 5))),
         ("glm5_reduced", "glm5", dict(m=512, e=256, n=64, k=256)),
+        # Several scale blocks along both N and K, NB != KB (2 x 3 FP8 blocks, 12 int4
+        # groups of 32 per row).
+        ("multi_block", "edge", dict(m=16, e=2, n=256, k=384)),
     ]
     for name, family, p in shapes:
-        yield from _per_dtype("grouped_gemm", name, family, p, _grouped(**p), judge="gemm")
+        if name != "multi_block":
+            yield from _per_dtype("grouped_gemm", name, family, p, _grouped(**p), judge="gemm")
         for scheme in SCHEMES:
             yield from _per_dtype(
                 "grouped_gemm", name, family, p, _grouped(**p, scheme=scheme, group_size=32),
@@ -377,9 +449,11 @@ def quant_cases() -> Iterator[Case]:
             ("tiny", "tiny", (4, 16, 64), 32),
             ("m1", "edge", (1, 32, 256), 64),
             ("k_not_128", "edge", (3, 24, 192), 64),
+            ("multi_block", "edge", (4, 256, 384), 64),  # NB 2 x KB 3 FP8 blocks
             ("glm5", "glm5", (16, 512, 2048), 128),
         ]:
-            for dtype in FLOATS:
+            # Scale indexing does not depend on x's dtype: one is enough for multi_block.
+            for dtype in (torch.bfloat16,) if name == "multi_block" else FLOATS:
                 yield Case(
                     "quant_gemm",
                     name,
@@ -408,8 +482,9 @@ def _quant_gemm(m, n, k, scheme, gs, dtype, qat=False):
         w = _randn(gen, n, k, scale=k**-0.5)
         if qat:
             return x, w.to(dtype), None, scheme, gs
-        s = SCHEMES[scheme]
-        wq, ws = quantize_tensor(w, s.weight.name, s.fixed_group_size or gs)
+        # Activation groups (1 x 128 for FP8) of different magnitudes too.
+        x = _scaled_tiles(gen, x, 1, 128)
+        wq, ws = _quantized_weight(gen, w, scheme, gs)
         return x, wq, ws, scheme, gs
 
     return build

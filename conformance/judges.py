@@ -133,7 +133,9 @@ def quantize(op, dtype, args, outs, refs) -> Verdict:
 def indexer(op, dtype, args, outs, refs) -> Verdict:
     """Tie-safe top-k: valid, unique, in-range indices, ``-1`` exactly when fewer keys
     are valid; every chosen key scores at least the reference's k-th best (minus the
-    tolerance); returned scores close to the reference scores of the chosen keys.
+    tolerance) and every key scoring above it by more than twice the tolerance is
+    chosen (beyond the score error of both, no order of near-ties could drop it);
+    returned scores close to the reference scores of the chosen keys.
     ``refs`` here is the reference's full ``[T, N]`` score matrix."""
     (idx, sc), ref = outs, refs
     k_start, k_end, topk = args[3].long(), args[4].long(), args[5]
@@ -154,6 +156,13 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
         chosen, pad = idx[t, :count], idx[t, count:]
         if (pad != -1).any() or (sc[t, count:] != float("-inf")).any():
             return Verdict(False, f"query {t}: expected -1 / -inf after {count} valid keys")
+        if (chosen == -1).any():
+            slot = int((chosen == -1).nonzero()[0, 0])
+            return Verdict(
+                False,
+                f"query {t}: slot {slot} is -1, a missing key: {count} valid keys expected "
+                f"(min(topk, range length) of [{int(k_start[t])}, {int(k_end[t])}))",
+            )
         if ((chosen < k_start[t]) | (chosen >= k_end[t])).any():
             return Verdict(
                 False, f"query {t}: an index outside [{int(k_start[t])}, {int(k_end[t])})"
@@ -169,6 +178,15 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
                 False,
                 f"query {t}: chose a key scoring {float(got.min()):.4g} "
                 f"below the k-th best {float(kth):.4g}",
+            )
+        clear = (ref[t] > kth + 2 * slack).nonzero()[:, 0]
+        missed = clear[~torch.isin(clear, chosen)]
+        if missed.numel():
+            j = int(missed[0])
+            return Verdict(
+                False,
+                f"query {t}: key {j} (score {float(ref[t, j]):.4g}, clearly above the k-th "
+                f"best {float(kth):.4g}) was not chosen",
             )
         err = float((sc[t, :count] - got).abs().max()) / scale
         worst = max(worst, err)
