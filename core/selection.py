@@ -382,27 +382,50 @@ def _resolve(name: str, settings: Settings, device_type: str | None) -> Resoluti
     )
 
 
-def backward_kernel(op: str, chain: tuple[str, ...], emulate: bool) -> Kernel | None:
-    """The first ``"<op>:backward"`` kernel along ``chain`` then the composites and the
-    reference, if any. It takes ``(inputs, grad_outputs)`` (inputs in schema order)
-    and returns one gradient (or None) per input."""
-    tail = (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
+def backward_owner(op: str, chain: tuple[str, ...], emulate: bool) -> str | None:
+    """The first backend along the forward's ``chain`` then the composites and the
+    reference that is available and has a ``"<op>:backward"`` kernel, if any. A
+    forward that ran on the reference is differentiated by the reference's own code:
+    its chain is not extended (its gradients are then the reference's, not a
+    composite's)."""
+    ran_on_reference = REGISTRY.get(chain[-1]).manifest.role == REFERENCE
+    tail = (
+        () if ran_on_reference else (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
+    )
     for name in dict.fromkeys((*chain, *tail)):
-        if REGISTRY.availability(name, emulate).ok:
-            kernel = REGISTRY.kernels(name, emulate).get(op + BACKWARD_SUFFIX)
-            if kernel is not None:
-                return kernel
+        available = REGISTRY.availability(name, emulate).ok
+        if available and op + BACKWARD_SUFFIX in REGISTRY.kernels(name, emulate):
+            return name
     return None
 
 
-def composite_kernel(op: str) -> Kernel:
-    """The differentiable torch composite of ``op`` (the composite backend's, else the
-    reference's): backward passes without a closed form are its vector-Jacobian product."""
+def backward_kernel(op: str, chain: tuple[str, ...], emulate: bool) -> Kernel | None:
+    """The ``"<op>:backward"`` kernel of :func:`backward_owner`, if any. It takes
+    ``(inputs, grad_outputs)`` (inputs in schema order) and returns one gradient (or
+    None) per input."""
+    owner = backward_owner(op, chain, emulate)
+    return None if owner is None else REGISTRY.kernels(owner, emulate)[op + BACKWARD_SUFFIX]
+
+
+def composite_owner(op: str, chain: tuple[str, ...] = ()) -> str:
+    """The backend whose torch code is ``op``'s differentiable composite: the one the
+    forward ran on (the end of ``chain``) when that is torch code itself (a composite
+    or the reference), else the first composite backend implementing it, else the
+    reference."""
+    if chain and REGISTRY.get(chain[-1]).manifest.role in (COMPOSITE, REFERENCE):
+        return chain[-1]
     names = (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
     for name in names:
         if op in REGISTRY.get(name).manifest.ops:
-            return REGISTRY.kernels(name, False)[op]
+            return name
     raise BackendUnavailableError(f"no composite implementation of {op!r} in {names}")
+
+
+def composite_kernel(op: str, chain: tuple[str, ...] = ()) -> Kernel:
+    """The differentiable torch composite of ``op`` for a forward that ran along
+    ``chain`` (:func:`composite_owner`'s kernel): backward passes without a closed form
+    are its vector-Jacobian product."""
+    return REGISTRY.kernels(composite_owner(op, chain), False)[op]
 
 
 __all__ = [
