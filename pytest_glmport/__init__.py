@@ -1,7 +1,10 @@
 """The pytest plug-in behind ``glmport conformance`` (registered as a ``pytest11`` entry
 point, so ``pytest --glmport-backend X`` works in any environment with glmport).
 
-Options: ``--glmport-backend`` (default: ``GLMPORT_BACKEND``, else auto),
+Options: ``--glmport-backend`` (default: the first ``--glmport-plugin``'s backend,
+else ``GLMPORT_BACKEND``, else auto), ``--glmport-plugin module:attr`` (repeatable: a
+backend registered in code, a ``Backend`` instance or a callable returning one,
+registered in the controller and in every pytest-xdist worker before the suite runs),
 ``--glmport-emulate``, ``--glmport-full``, ``--glmport-ops a,b``,
 ``--glmport-report-dir D`` (default ``conformance-report``). With pytest-xdist, the
 workers run checks and the controller gathers their records, prints the summary and
@@ -37,7 +40,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--glmport-backend",
         default=None,
-        help="backend to judge (default: GLMPORT_BACKEND, else auto)",
+        help="backend to judge (default: the first --glmport-plugin's, else GLMPORT_BACKEND, "
+        "else auto)",
+    )
+    group.addoption(
+        "--glmport-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="register a backend defined in code (a Backend instance, or a callable "
+        "returning one) in every process before the suite runs; repeatable",
     )
     group.addoption(
         "--glmport-emulate", action="store_true", help="run a vendor backend on the CPU"
@@ -68,7 +80,13 @@ def _settings(config: pytest.Config) -> SuiteSettings:
                 f"--glmport-ops: unknown ops {unknown}; ops are {', '.join(INTERFACE_NAMES)}"
             )
     emulate = config.getoption("--glmport-emulate") or current_settings().emulate
-    backend = config.getoption("--glmport-backend") or os.environ.get("GLMPORT_BACKEND") or "auto"
+    plugins = _register_plugins(config)
+    backend = (
+        config.getoption("--glmport-backend")
+        or (plugins[0] if plugins else None)
+        or os.environ.get("GLMPORT_BACKEND")
+        or "auto"
+    )
     if backend == "auto":
         with use_backend(emulate=emulate):
             backend = primary_backend()
@@ -77,8 +95,24 @@ def _settings(config: pytest.Config) -> SuiteSettings:
     return SuiteSettings(backend, emulate, config.getoption("--glmport-full"), ops or None, device)
 
 
+def _register_plugins(config: pytest.Config) -> list[str]:
+    """Register every ``--glmport-plugin`` backend in this process (once per target);
+    returns their names."""
+    targets = config.getoption("--glmport-plugin")
+    if not targets:
+        return []
+    from glmport.core.errors import GlmportError
+    from glmport.core.registry import register_backend_target
+
+    try:
+        return [register_backend_target(t) for t in targets]
+    except GlmportError as err:
+        raise pytest.UsageError(f"--glmport-plugin: {err}") from None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "glmport: a glmport conformance check")
+    _register_plugins(config)  # in the controller and, with pytest-xdist, in every worker
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Collector(config), "glmport-conformance-collector")
 
@@ -125,8 +159,11 @@ class _Collector:
             self.records, backend=s.backend, full=s.full, emulate=s.emulate, ops=s.ops
         )
         self.paths = write_reports(self.report, self.config.getoption("--glmport-report-dir"))
-        if self.report["summary"]["pass"] == 0 and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # nothing ran: never a silent pass
+        # Failed checks fail the session already; this catches a backend none of whose
+        # own checks passed (it implements nothing, or cannot run here): checks that
+        # passed on fallbacks say nothing about it, so it never passes silently.
+        if not self.report["verdict"]["run_ok"] and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     @pytest.hookimpl
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
@@ -139,9 +176,12 @@ class _Collector:
         for line in table_lines(self.report):
             tr.write_line(line)
         tr.write_line("")
-        tr.write_line(verdict_line(self.report), bold=True)
+        ok = self.report["verdict"]["run_ok"]
+        tr.write_line(verdict_line(self.report), bold=True, green=ok, red=not ok)
         if self.report["summary"]["pass"] == 0:
             tr.write_line(
-                "nothing passed: is the backend available here? (see the skip reasons)", red=True
+                f"none of {self.report['backend']!r}'s own kernels passed a check: does it "
+                "implement the ops checked, and can it run here? (see the skip reasons)",
+                red=True,
             )
         tr.write_line(f"reports: {self.paths[0]} and {self.paths[1]}")

@@ -1,6 +1,8 @@
-"""``glmport conformance`` end to end: the example plug-in installs and passes, a broken
-plug-in fails with a non-zero exit and a report naming the op, an unavailable backend
-never passes silently, and the pytest plugin works on its own in a vendor's CI."""
+"""``glmport conformance`` end to end: the example plug-in installs and conforms on its
+own kernel with the fallback checks reported apart, a broken plug-in fails with a
+non-zero exit and a report naming the op, a plug-in implementing nothing or an
+unavailable backend never passes on its fallbacks, and the pytest plugin works on its
+own in a vendor's CI."""
 
 from __future__ import annotations
 
@@ -47,17 +49,25 @@ def test_example_plugin_installs_and_passes_the_suite(example_site, tmp_path):
         cwd=tmp_path, pythonpath=example_site,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "backend 'example' CONFORMS" in proc.stdout
+    assert "backend 'example' CONFORMS on its own kernels (rms_norm), quick mode" in proc.stdout
     data = json.loads((report / "conformance.json").read_text())
     assert data["backend"] == "example" and data["manifest"]["ops"] == ["rms_norm"]
-    assert data["summary"]["pass"] == data["summary"]["total"] > 0
-    ran_on = {(c["op"], c["ran_on"]) for c in data["cases"]}
-    assert ran_on == {("rms_norm", "example"), ("rope", "generic")}  # rope fell back
-    assert {c["kind"] for c in data["cases"]} == {
-        "value", "determinism", "gradient", "bad_input", "opcheck",
-    }  # fmt: skip
+    assert data["verdict"] == {"conforms": True, "run_ok": True, "why": ""}
+    own = [c for c in data["cases"] if c["own"]]
+    assert data["summary"]["total"] == len(own) and data["summary"]["ops"] == ["rms_norm"]
+    assert data["summary"]["pass"] > 0 and data["summary"]["fail"] == 0
+    assert {(c["op"], c["ran_on"]) for c in own} == {("rms_norm", "example")}
+    fallback = data["fallback_summary"]
+    assert fallback["total"] == len(data["cases"]) - len(own) > 0
+    assert fallback["backends"] == ["generic"] and fallback["fail"] == fallback["error"] == 0
+    assert {c["op"] for c in data["cases"] if c["ran_on"] == "generic"} >= {"rope"}
+    assert f"{fallback['total']} checks ran on fallbacks (generic), listed apart" in proc.stdout
+    assert {"value", "determinism", "gradient", "bad_input", "opcheck"} <= {
+        c["kind"] for c in data["cases"]
+    }
     assert data["environment"]["torch"] and data["environment"]["device"] == "cpu"
-    assert "CONFORMS" in (report / "conformance.md").read_text()
+    md = (report / "conformance.md").read_text()
+    assert "CONFORMS on its own kernels" in md and "## On fallbacks:" in md
 
 
 BROKEN_PLUGIN = """
@@ -76,16 +86,35 @@ BACKEND = Broken()
 """
 
 
+EMPTY_PLUGIN = """
+from glmport import Availability, Backend, BackendManifest
+
+class Empty(Backend):
+    manifest = BackendManifest(name="empty", device_type="cpu", description="no kernels yet",
+                               ops=())
+    def probe(self, emulate):
+        return Availability(True)
+    def load_kernels(self, emulate):
+        return {}
+
+BACKEND = Empty()
+"""
+
+
+def _plugin_site(tmp_path, name: str, source: str):
+    """A plug-in made by hand: a module and the dist-info that declares its entry point."""
+    site = tmp_path / f"{name}_site"
+    info = site / f"{name}_glmport-0.0.dist-info"
+    info.mkdir(parents=True)
+    (site / f"{name}_glmport.py").write_text(source)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-glmport\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[glmport.backends]\n{name} = {name}_glmport:BACKEND\n")
+    return site
+
+
 @pytest.fixture
 def broken_site(tmp_path):
-    """A plug-in made by hand: a module and the dist-info that declares its entry point."""
-    site = tmp_path / "broken_site"
-    (site / "broken_glmport-0.0.dist-info").mkdir(parents=True)
-    (site / "broken_glmport.py").write_text(BROKEN_PLUGIN)
-    info = site / "broken_glmport-0.0.dist-info"
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-glmport\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[glmport.backends]\nbroken = broken_glmport:BACKEND\n")
-    return site
+    return _plugin_site(tmp_path, "broken", BROKEN_PLUGIN)
 
 
 def test_a_broken_plugin_fails_with_a_report_naming_the_op(broken_site, tmp_path):
@@ -101,7 +130,22 @@ def test_a_broken_plugin_fails_with_a_report_naming_the_op(broken_site, tmp_path
     failed = [c for c in data["cases"] if c["outcome"] == "fail"]
     assert failed and all(c["op"] == "rms_norm" and c["reason"] for c in failed)
     md = (report / "conformance.md").read_text()
-    assert "## Not passed" in md and "rms_norm" in md
+    assert "## Not passed: its own kernels" in md and "rms_norm" in md
+
+
+def test_a_plugin_implementing_nothing_does_not_conform_on_its_fallbacks(tmp_path):
+    report = tmp_path / "report"
+    proc = _run(
+        [str(GLMPORT), "conformance", "--backend", "empty", "--ops", "rms_norm", "-n", "0",
+         "--report-dir", str(report)],
+        cwd=tmp_path, pythonpath=_plugin_site(tmp_path, "empty", EMPTY_PLUGIN),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "backend 'empty' DOES NOT CONFORM (quick mode): it implements no op" in proc.stdout
+    data = json.loads((report / "conformance.json").read_text())
+    assert data["verdict"]["conforms"] is False and data["summary"]["total"] == 0
+    fallback = data["fallback_summary"]
+    assert fallback["pass"] > 0 and fallback["backends"] == ["generic"]  # passing, not its own
 
 
 def test_an_unavailable_backend_never_passes_silently(tmp_path):
@@ -113,7 +157,8 @@ def test_an_unavailable_backend_never_passes_silently(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     data = json.loads((report / "conformance.json").read_text())
-    assert data["summary"]["skipped"] == data["summary"]["total"] > 0
+    assert data["verdict"]["conforms"] is False and data["summary"]["total"] == 0  # no op
+    assert data["fallback_summary"]["skipped"] == data["fallback_summary"]["total"] > 0
     assert all("no Triton kernels" in c["reason"] for c in data["cases"])
 
 
@@ -126,9 +171,10 @@ def test_the_pytest_plugin_runs_the_suite_in_a_vendor_ci(tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "glmport conformance" in proc.stdout
+    assert "backend 'cpu' CONFORMS on its own kernels (moe_dispatch)" in proc.stdout
     data = json.loads((report / "conformance.json").read_text())
     assert {c["op"] for c in data["cases"]} == {"moe_dispatch"}
+    assert data["verdict"]["run_ok"] and data["summary"]["pass"] > 0
 
 
 def test_conformance_rejects_an_unknown_backend_listing_valid_ones(capsys):
