@@ -1,8 +1,18 @@
 """The model-level check: token log-probabilities of a tiny GLM-5 on the backend
-against the cpu reference — the train / inference mismatch that RL has to correct.
+against the reference backend — the train / inference mismatch that RL has to correct.
 
-Reports mean and max ``|delta logp|`` and the fraction of tokens IcePop would pop at
-``beta = 2`` (``rho = exp(logp_backend - logp_ref)`` outside ``[1/beta, beta]``).
+The tiny model has every part of GLM-5's forward: MLA + DSA attention, the indexer,
+group-limited routing (``n_group`` 4, ``topk_group`` 2, so the router's group step
+decides) and the MoE. It runs in three weight variants — float, W4A8 experts + W8A8
+projections, W4A8 experts + FP8-block projections (packed once, on the reference; the
+backend runs the same packed weights after ``prepare_weights``, as inference does) —
+and each batch's log-probs are taken at temperature 1 (training) and at a sampling
+temperature (rollout), so a wrong ``quant_gemm`` / ``grouped_gemm``, router groups or
+``token_logprobs`` temperature shows here as a log-prob mismatch.
+
+Reports, per variant and temperature and as the worst over them, mean and max
+``|delta logp|`` and the fraction of tokens IcePop would pop at ``beta = 2``
+(``rho = exp(logp_backend - logp_ref)`` outside ``[1/beta, beta]``).
 """
 
 from __future__ import annotations
@@ -10,20 +20,40 @@ from __future__ import annotations
 import torch
 
 import glmport
+from glmport.core.formats import FLOAT_WEIGHT
+from glmport.core.registry import REGISTRY
 from glmport.core.selection import use_backend
 
 from .judges import Verdict
 
 ICEPOP_BETA = 2.0
-# fp32 must agree to rounding; in bf16, backends may differ up to slime's CI bound on
-# mean |logp_train - logp_rollout| (0.1) with at most 1% of tokens popped.
+# Float weights: fp32 must agree to rounding; in bf16, backends may differ up to slime's
+# CI bound on mean |logp_train - logp_rollout| (0.1) with at most 1% of tokens popped.
 LIMITS = {
     torch.float32: {"max_abs": 1e-3, "mean_abs": 1e-4, "pop_fraction": 0.0},
     torch.bfloat16: {"max_abs": float("inf"), "mean_abs": 0.1, "pop_fraction": 0.01},
 }
+# Quantised weights: activations are quantised too (int8 per token, fp8 per block), so
+# an fp32 rounding difference upstream can move an activation by a whole quantisation
+# step and a few tokens by more than rounding (generic vs cpu: max 8e-3, mean 1.6e-4 on
+# W4A8 + FP8-block). fp32 bounds the mean at 1e-3 and pops nothing; a 1% scale error
+# gives a mean of 0.2 and more.
+QUANT_LIMITS = {
+    torch.float32: {"max_abs": float("inf"), "mean_abs": 1e-3, "pop_fraction": 0.0},
+    torch.bfloat16: LIMITS[torch.bfloat16],
+}
+# label -> (experts scheme, dense scheme) for ``quantize_model``.
+VARIANTS = {
+    "float": (FLOAT_WEIGHT, FLOAT_WEIGHT),
+    "w4a8+w8a8": ("w4a8", "w8a8"),
+    "w4a8+fp8_block": ("w4a8", "fp8_block"),
+}
+# Training log-probs (1.0) and rollout log-probs at a sampling temperature.
+TEMPERATURES = (1.0, 0.7)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[2, 40]`` and an attention mask ``[2, 40]`` (row 1 padded after 28)."""
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 128, (2, 40), generator=gen)
     mask = torch.ones(2, 40, dtype=torch.long)
@@ -31,52 +61,93 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _model():
+def _model(dtype: torch.dtype, experts: str, dense: str):
+    """The tiny GLM-5 in ``dtype`` on the CPU, its experts / dense projections packed
+    with ``experts`` / ``dense`` (``"none"``: float) by the reference backend."""
     from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from glmport.model.quantize import quantize_model
 
-    model = GlmMoeDsaForCausalLM.from_config(GlmMoeDsaConfig.tiny(index_n_heads=16), seed=0)
+    config = GlmMoeDsaConfig.tiny(
+        index_n_heads=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2
+    )
+    model = GlmMoeDsaForCausalLM.from_config(config, seed=0)
     with torch.no_grad():  # std 0.16 instead of 0.02: peaked distributions, real mismatch
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(8.0)
-    return model.eval()
+    model = model.to(dtype).eval()
+    if (experts, dense) != (FLOAT_WEIGHT, FLOAT_WEIGHT):
+        with use_backend(REGISTRY.reference()):  # float32 scales, whatever the dtype
+            quantize_model(model, experts=experts, dense=dense)
+    return model
 
 
-def _logprobs(model, ids, mask) -> torch.Tensor:
-    """``[n]`` fp32 log-probabilities of every real next token."""
+def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[len(TEMPERATURES), n]`` fp32 CPU log-probabilities of the ``n`` real next
+    tokens of ``ids`` ``[B, S]`` under ``mask`` ``[B, S]``, one row per temperature."""
     with torch.no_grad():
         out = model(ids, mask)
         valid = mask.bool()
         targets_mask = valid[:, 1:] & valid[:, :-1]
         hidden = model.model.norm(out.hidden_states[:, :-1][targets_mask])
         targets = ids[:, 1:][targets_mask]
-        logp, _ = glmport.ops.token_logprobs(hidden, model.lm_head.weight.to(hidden.dtype), targets)
-    return logp.float().cpu()
+        head = model.lm_head.weight.to(hidden.dtype)
+        rows = [glmport.ops.token_logprobs(hidden, head, targets, t)[0] for t in TEMPERATURES]
+    return torch.stack(rows).float().cpu()
 
 
-def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> Verdict:
-    model = _model().to(dtype)
-    ids, mask = _inputs()
-    with use_backend("cpu"):  # the same weights in the same precision: only the backend differs
-        ref = _logprobs(model, ids, mask)
-    model = model.to(device=device)
-    with use_backend(backend):
-        got = _logprobs(model, ids.to(device), mask.to(device))
-    delta = got - ref
+def _mismatch(delta: torch.Tensor) -> dict[str, float]:
+    """Metrics of ``delta = logp_backend - logp_ref`` ``[n]``."""
     rho = torch.exp(delta)
     popped = ((rho < 1 / ICEPOP_BETA) | (rho > ICEPOP_BETA)).float().mean()
-    metrics = {
-        "mean_abs_dlogp": float(delta.abs().mean()),
+    return {
         "max_abs_dlogp": float(delta.abs().max()),
+        "mean_abs_dlogp": float(delta.abs().mean()),
         "icepop_pop_fraction": float(popped),
-        "tokens": int(delta.numel()),
     }
-    limits = LIMITS[dtype]
-    tol = {
+
+
+def _tolerance(limits: dict[str, float]) -> dict[str, float]:
+    """``{metric: bound}`` from a row of :data:`LIMITS` / :data:`QUANT_LIMITS`."""
+    return {
         "max_abs_dlogp": limits["max_abs"],
         "mean_abs_dlogp": limits["mean_abs"],
         "icepop_pop_fraction": limits["pop_fraction"],
     }
-    bad = [k for k, v in tol.items() if metrics[k] > v]
-    reason = ", ".join(f"{k} {metrics[k]:.3g} > {tol[k]:.3g}" for k in bad)
-    return Verdict(not bad, reason, metrics, tol)
+
+
+def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> Verdict:
+    """Judge ``backend`` (inputs on ``device``) on every variant and temperature in
+    ``dtype``. Metrics and tolerances are keyed ``"<variant> T=<t>: <metric>"``; the
+    plain metric names hold the float variant's worst over the temperatures."""
+    from glmport.model.quantize import prepare_weights
+
+    ids, mask = _inputs()
+    headline: dict[str, float] = {}  # the float variant's worst, under the plain names
+    metrics: dict[str, float] = {}
+    tol = _tolerance(LIMITS[dtype])
+    failures: list[str] = []
+    for label, (experts, dense) in VARIANTS.items():
+        quantised = (experts, dense) != (FLOAT_WEIGHT, FLOAT_WEIGHT)
+        bounds = _tolerance((QUANT_LIMITS if quantised else LIMITS)[dtype])
+        model = _model(dtype, experts, dense)
+        # The same weights in the same precision: only the backend differs.
+        with use_backend(REGISTRY.reference()):
+            ref = _logprobs(model, ids, mask)
+        model = model.to(device=device)
+        with use_backend(backend):
+            prepare_weights(model)  # the backend's own layout of the same packed weights
+            got = _logprobs(model, ids.to(device), mask.to(device))
+        for temperature, delta in zip(TEMPERATURES, got - ref, strict=True):
+            where = f"{label} T={temperature:g}"
+            found = _mismatch(delta)
+            bad = [k for k, v in bounds.items() if found[k] > v]
+            if bad:
+                shown = ", ".join(f"{k} {found[k]:.3g} > {bounds[k]:.3g}" for k in bad)
+                failures.append(f"{where}: {shown}")
+            for k, v in found.items():
+                metrics[f"{where}: {k}"], tol[f"{where}: {k}"] = v, bounds[k]
+                if not quantised:
+                    headline[k] = max(headline.get(k, 0.0), v)
+    metrics = {**headline, "tokens": int(ref.shape[1]), **metrics}
+    return Verdict(not failures, "; ".join(failures), metrics, tol)

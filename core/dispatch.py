@@ -11,11 +11,12 @@ here directly; everything else goes through ``torch.ops.glmport.*``, which calls
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
 
-from .errors import UnsupportedError
+from .errors import KernelSignatureError, UnsupportedError
 from .registry import ANY_DEVICE, PREPARED_SUFFIX, REGISTRY
 from .selection import (
     Resolution,
@@ -78,18 +79,46 @@ def run(name: str, args: tuple) -> object:
         kernel, backend = res.kernel, res.backend
     else:
         kernel, backend = _pick(spec, res, args, device_type)
+    entry = name
     if prepared is not None and prepared.native is not None:
         if backend == prepared.backend and settings.emulate == prepared.emulate:
-            kernel = REGISTRY.kernels(backend, settings.emulate)[name + PREPARED_SUFFIX]
+            entry = name + PREPARED_SUFFIX
+            kernel = REGISTRY.kernels(backend, settings.emulate)[entry]
             call_args = (args[0], prepared, *args[2:])
         else:
             log_fallback_once(
                 prepared.backend, name, backend, "prepared a weight but no longer runs"
             )
-    out = kernel(*call_args)
+    try:
+        out = kernel(*call_args)
+    except TypeError as err:  # costs nothing unless raised; then: the kernel, or its call?
+        misfit = _signature_misfit(spec, backend, entry, kernel, call_args, err)
+        if misfit is not None:
+            raise misfit from err
+        raise
     if settings.shadow and settings.shadow != backend:
         observe(spec, backend, settings, args, out)
     return out
+
+
+def _signature_misfit(
+    spec: OpSpec, backend: str, entry: str, kernel, args: tuple, err: TypeError
+) -> KernelSignatureError | None:
+    """The error for a kernel that cannot be called with ``args`` at all (its
+    signature does not bind them; ``err`` is what the call raised), or None: the
+    TypeError came from inside the kernel, or its signature cannot be read (a
+    builtin), and stands as raised."""
+    try:
+        inspect.signature(kernel).bind(*args)
+    except TypeError:
+        return KernelSignatureError(
+            f"backend {backend!r} kernel for {entry!r} does not take the op's arguments "
+            f"(schema {spec.schema}; glmport passes all {len(args)} positionally, in "
+            f"schema order, defaults filled in): {err}"
+        )
+    except ValueError:
+        return None
+    return None
 
 
 def _pick(spec: OpSpec, res: Resolution, args: tuple, device_type: str):
@@ -142,7 +171,8 @@ def backward(name: str, ctx, *grads: torch.Tensor) -> tuple:
     """Gradients for every input of op ``name``: the spec's closed form if it defines
     one (straight-through quantisation), else a ``"<op>:backward"`` kernel of the
     first backend along the forward's fallback chain, the composites and the
-    reference that has one, else the vector-Jacobian product of the op's composite."""
+    reference that has one, else the vector-Jacobian product of the op's composite
+    (the forward's own code when it ran on torch code: a composite or the reference)."""
     saved = iter(ctx.saved_tensors)
     inputs = tuple(
         next(saved) if is_t else v for is_t, v in zip(ctx.is_tensor, ctx.non_tensors, strict=True)
@@ -153,11 +183,11 @@ def backward(name: str, ctx, *grads: torch.Tensor) -> tuple:
     kernel = backward_kernel(name, ctx.chain, ctx.emulate)
     if kernel is not None:
         return tuple(kernel(inputs, grads))
-    return _composite_vjp(spec, inputs, grads)
+    return _composite_vjp(spec, inputs, grads, ctx.chain)
 
 
-def _composite_vjp(spec: OpSpec, inputs: tuple, grads: tuple) -> tuple:
-    kernel = composite_kernel(spec.name)
+def _composite_vjp(spec: OpSpec, inputs: tuple, grads: tuple, chain: tuple[str, ...]) -> tuple:
+    kernel = composite_kernel(spec.name, chain)
     wanted = [
         i
         for i, n in enumerate(spec.arg_names)

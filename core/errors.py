@@ -35,6 +35,12 @@ class UnsupportedError(GlmportError, NotImplementedError):
     """A valid input that the selected backend declares it cannot take."""
 
 
+class KernelSignatureError(GlmportError, TypeError):
+    """A backend's kernel does not take an op's arguments the way glmport passes them:
+    every argument positionally, in schema order, defaults filled in (a bug of the
+    backend, not a limit it declares; the conformance suite reports it as an error)."""
+
+
 class ConfigError(GlmportError, ValueError):
     """A malformed setting: an environment variable or an argument of the selection API."""
 

@@ -12,6 +12,7 @@ import time.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ from types import MappingProxyType
 
 import torch
 
-from .errors import BackendUnavailableError, UnknownBackendError
+from .errors import BackendUnavailableError, ConfigError, UnknownBackendError
 from .specs import INTERFACE_NAMES, OP_NAMES, SPECS
 
 log = logging.getLogger("glmport")
@@ -230,6 +231,7 @@ class _Registry:
         self._probes: dict[tuple[str, bool], Availability] = {}
         self._entry_points: dict[str, metadata.EntryPoint] | None = None
         self._roles: dict[str, tuple[str, ...]] | None = None
+        self._targets: dict[str, Backend] = {}  # "module:attr" -> what it registered
         # Bumped whenever the set of backends changes; selection caches check it.
         self.generation = 0
 
@@ -295,6 +297,22 @@ class _Registry:
             self._extra[name] = backend
             self.forget(name)
 
+    def register_target(self, target: str) -> str:
+        """Import ``"module:attr"`` and register the backend it names; returns its
+        name. Registering the same target again in a process does nothing while the
+        backend it gave is still registered."""
+        with self._lock:
+            backend = self._targets.get(target)
+            if backend is None or self._extra.get(backend.manifest.name) is not backend:
+                backend = _import_backend(target)
+                if self._extra.get(backend.manifest.name) is not backend:  # may self-register
+                    try:
+                        self.register(backend)
+                    except ValueError as err:
+                        raise ConfigError(f"plug-in {target}: {err}") from None
+                self._targets[target] = backend
+            return backend.manifest.name
+
     def unregister(self, name: str) -> None:
         with self._lock:
             self._extra.pop(name, None)
@@ -310,18 +328,24 @@ class _Registry:
             self.generation += 1
 
     def availability(self, name: str, emulate: bool) -> Availability:
+        """Whether ``name`` runs here under one emulation setting, probed once: its
+        ``probe``, then (if that succeeds) its kernel table, so a table that lacks a
+        declared op, has unknown keys or fails to load makes the backend unavailable
+        with the reason here rather than at its first call."""
         key = (name, emulate)
         with self._lock:
             if key not in self._probes:
+                step = "probe"
                 try:
-                    backend = self.get(name)
-                    self._probes[key] = backend.probe(emulate)
+                    avail = self.get(name).probe(emulate)
+                    if avail.ok:
+                        step = "load_kernels"
+                        self.kernels(name, emulate)
                 except BackendUnavailableError as err:
-                    self._probes[key] = Availability(False, str(err))
-                except Exception as err:  # a probe that crashes means "not here"
-                    self._probes[key] = Availability(
-                        False, f"probe failed: {type(err).__name__}: {err}"
-                    )
+                    avail = Availability(False, str(err))
+                except Exception as err:  # a probe or a load that crashes means "not here"
+                    avail = Availability(False, f"{step} failed: {type(err).__name__}: {err}")
+                self._probes[key] = avail
             return self._probes[key]
 
     def kernels(self, name: str, emulate: bool) -> Mapping[str, Kernel]:
@@ -382,6 +406,27 @@ class _Registry:
         return tuple(dict.fromkeys(items))
 
 
+def _import_backend(target: str) -> Backend:
+    """The :class:`Backend` that ``"module:attr"`` names: an instance, or a callable
+    returning one (:class:`ConfigError` says what is wrong with the target)."""
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"plug-in {target!r}: expected module:attr, e.g. mychip_glmport:BACKEND")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
+    except Exception as err:  # the import or the factory: report it, naming the target
+        raise ConfigError(f"plug-in {target} failed to load: {type(err).__name__}: {err}") from err
+    if not isinstance(backend, Backend):
+        raise ConfigError(
+            f"plug-in {target} gave {type(backend).__name__}, expected a "
+            "glmport.core.registry.Backend instance (or a callable returning one)"
+        )
+    return backend
+
+
 REGISTRY = _Registry()
 
 
@@ -398,6 +443,13 @@ def get_backend(name: str) -> Backend:
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Register a backend object in code (tests, notebooks, a vendor's own harness)."""
     REGISTRY.register(backend, replace=replace)
+
+
+def register_backend_target(target: str) -> str:
+    """Register the backend that ``"module:attr"`` names (a :class:`Backend` instance
+    or a callable returning one) and return its name; what ``--plugin`` and
+    ``--glmport-plugin`` do in every conformance process. Idempotent per target."""
+    return REGISTRY.register_target(target)
 
 
 def unregister_backend(name: str) -> None:

@@ -15,9 +15,18 @@ from glmport.core.errors import ConfigError, GlmportError
 EXIT_CONFIG = 2
 
 
-def collect_info() -> dict:
-    """Everything ``glmport info`` reports, as plain data. Raises GlmportError on a bad
-    configuration (unknown backend, malformed variable)."""
+def collect_info(backend: str | None = None, emulate: bool = False) -> dict:
+    """Everything ``glmport info`` reports, as plain data, under the current selection
+    or with ``backend`` selected (and ``emulate``: vendor backends on the CPU). Raises
+    GlmportError on a bad configuration (unknown or unavailable backend, malformed
+    variable)."""
+    from glmport.core.selection import use_backend
+
+    with use_backend(backend, emulate=emulate or None):
+        return _collect_info()
+
+
+def _collect_info() -> dict:
     import torch
 
     import glmport
@@ -55,7 +64,15 @@ def collect_info() -> dict:
     ops = {}
     for op in INTERFACE_NAMES:
         res = resolve(op, settings)
-        ops[op] = {"backend": res.backend, "chain": list(res.chain), "device_type": res.device_type}
+        ops[op] = {
+            "backend": res.backend,
+            "chain": list(res.chain),
+            "device_type": res.device_type,
+            "emulated": res.emulated,
+            # calls outside the backend's declared limits go to the next of these
+            "limits": res.capability.describe() if res.capability is not None else {},
+            "beyond_limits": [c.backend for c in res.alternatives],
+        }
     return {
         "glmport": glmport.__version__,
         "versions": versions(),
@@ -114,11 +131,18 @@ def _print_info(info: dict) -> None:
     for b in info["backends"]:
         if not b["available"]:
             print(f"  {b['name']}: {b['reason']}")
-    print("\nops (where each runs under the current selection)")
-    _table(
-        [("op", "runs on", "path")]
-        + [(op, r["backend"], " -> ".join(r["chain"])) for op, r in info["ops"].items()]
-    )
+    where = f"backend {info['selected_backend']!r}" + (", emulated" if info["emulate"] else "")
+    print(f"\nops (where each runs under {where})")
+    rows = [("op", "runs on", "path", "limits (beyond them: next along)")]
+    for op, r in info["ops"].items():
+        limits = ", ".join(f"{k} {v}" for k, v in r["limits"].items())
+        if limits:
+            limits += f" (else {' -> '.join(r['beyond_limits']) or 'none'})"
+        runs_on = r["backend"] + (" (emulated)" if r["emulated"] else "")
+        rows.append((op, runs_on, " -> ".join(r["chain"]), limits))
+    if not any(row[3] for row in rows[1:]):  # no limits anywhere: no column for them
+        rows = [row[:3] for row in rows]
+    _table(rows)
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:
@@ -128,7 +152,7 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    info = collect_info()
+    info = collect_info(args.backend, args.emulate)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -140,11 +164,20 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     import pytest
 
     from glmport.conformance import suite
-    from glmport.core.registry import REGISTRY
+    from glmport.core.registry import REGISTRY, register_backend_target
     from glmport.core.selection import parse_op_overrides
 
-    if args.backend != "auto":
-        REGISTRY.get(args.backend, "--backend")  # unknown: an error listing the valid names
+    # Registered here to check them and name the default backend; the suite's plug-in
+    # registers them again in every pytest-xdist worker.
+    plugins = [register_backend_target(t) for t in args.plugin]
+    backend = (
+        args.backend
+        or (plugins[0] if plugins else None)
+        or os.environ.get("GLMPORT_BACKEND")
+        or "auto"
+    )
+    if backend != "auto":
+        REGISTRY.get(backend, "--backend")  # unknown: an error listing the valid names
     if args.ops:
         parse_op_overrides(",".join(f"{op}=cpu" for op in args.ops.split(",")), "--ops")
     # An unavailable backend still runs: its checks are reported as skipped, with the
@@ -160,7 +193,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         "-q",
         "-rfE",
         "--glmport-backend",
-        args.backend,
+        backend,
         "--glmport-report-dir",
         args.report_dir,
         "-n",
@@ -168,6 +201,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     ]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         pytest_args += ["-p", "pytest_glmport", "-p", "xdist.plugin"]
+    for target in args.plugin:
+        pytest_args += ["--glmport-plugin", target]
     if args.emulate:
         pytest_args.append("--glmport-emulate")
     if args.full:
@@ -260,7 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
         "Select a backend with GLMPORT_BACKEND (see `glmport info`).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="backends, versions, and where each op runs")
+    info = sub.add_parser(
+        "info",
+        help="backends, versions, and where each op runs",
+        description="Show the installed backends (available or not, and why), the "
+        "versions, and where every op and expert_parallel runs: under the current "
+        "selection, or with --backend selected.",
+    )
+    info.add_argument(
+        "--backend",
+        default=None,
+        help="show where each op runs with this backend selected (its fallback chain)",
+    )
+    info.add_argument("--emulate", action="store_true", help="as selected with GLMPORT_EMULATE=1")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
 
@@ -272,7 +319,21 @@ def build_parser() -> argparse.ArgumentParser:
         "passed, was unsupported by the backend's manifest, or was skipped, and at "
         "least one passed.",
     )
-    conf.add_argument("--backend", default=os.environ.get("GLMPORT_BACKEND") or "auto")
+    conf.add_argument(
+        "--backend",
+        default=None,
+        help="backend to judge (default: the first --plugin's, else GLMPORT_BACKEND, else auto)",
+    )
+    conf.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="register a backend defined in code: MODULE:ATTR names a glmport Backend "
+        "instance or a callable returning one, registered in every pytest-xdist worker "
+        "before the suite runs (MODULE must be importable there, e.g. via PYTHONPATH); "
+        "repeatable",
+    )
     conf.add_argument("--emulate", action="store_true", help="run a vendor backend on the CPU")
     conf.add_argument("--full", action="store_true", help="full mode: larger GLM-5 shapes too")
     conf.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
