@@ -381,6 +381,20 @@ def _backward_in_use(op: str, device: torch.device) -> tuple[str, str]:
     return f"composite vjp ({owner})", owner
 
 
+def _forward_on_leaves(case: Case, device: torch.device):
+    """The case's arguments, the positions that receive gradients, the arguments on
+    ``device`` with those as fresh leaves, the op's outputs on them (a tuple) and the
+    case's seeded cotangents (None for integer outputs)."""
+    args = case.args()
+    wanted = _differentiable(SPECS[case.op], args)
+    leaves = list(_to(args, device))
+    for i in wanted:
+        leaves[i] = leaves[i].detach().requires_grad_(True)
+    outs = _call(case.op, tuple(leaves))
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return args, wanted, leaves, outs, _cotangents(case, outs)
+
+
 def _differentiable(spec, args: tuple) -> list[int]:
     """Positions of the floating tensor arguments that receive gradients."""
     return [
@@ -420,14 +434,7 @@ def _gradient(check: Check, device: torch.device, backend: str) -> Verdict:
             skipped=True,
         )
     spec = SPECS[c.op]
-    args = c.args()
-    wanted = _differentiable(spec, args)
-    leaves = list(_to(args, device))
-    for i in wanted:
-        leaves[i] = leaves[i].detach().requires_grad_(True)
-    outs = _call(c.op, tuple(leaves))
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    cots = _cotangents(c, outs)
+    args, wanted, leaves, outs, cots = _forward_on_leaves(c, device)
     loss = sum(
         (torch.where(torch.isfinite(o), o, 0).float() * ct.to(device)).sum()
         for o, ct in zip(outs, cots, strict=True)
@@ -495,14 +502,7 @@ def _grad_consistency(check: Check, device: torch.device, backend: str) -> Verdi
             {"backward": source},
             skipped=True,
         )
-    args = c.args()
-    wanted = _differentiable(spec, args)
-    leaves = list(_to(args, device))
-    for i in wanted:
-        leaves[i] = leaves[i].detach().requires_grad_(True)
-    outs = _call(c.op, tuple(leaves))
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    cots = _cotangents(c, outs)
+    args, wanted, leaves, outs, cots = _forward_on_leaves(c, device)
     finite = [torch.isfinite(o) if o.is_floating_point() else None for o in outs]
     grads = torch.autograd.grad(
         _objective(outs, cots, finite), [leaves[i] for i in wanted], allow_unused=True
