@@ -212,3 +212,22 @@ def test_worst_ratio_takes_every_metric_with_a_tolerance_of_its_name():
     assert worst_ratio({"max_rel": math.nan}, {"max_rel": 1.0}) == math.inf
     assert worst_ratio({"codes_differ": 0, "scale_rel": 0.0}, {}) is None
     assert worst_ratio({"max_abs": 3.0}, {"abs_k": 1.0}) is None  # names must match
+
+
+def test_gemm_worst_ratio_is_the_judges_combined_criterion():
+    """The GEMM judge passes when max|err| <= rel * max|ref| + a K-scaled absolute term:
+    worst err/tol must be that ratio, at most 1 for a pass and above 1 for a fail."""
+    from glmport.conformance.judges import gemm
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 256, generator=gen), torch.randn(1, 8, 256, generator=gen)
+    offsets = torch.tensor([0, 4], dtype=torch.int32)
+    args = (x, w, offsets, None, "none", 128)
+    ref = (x.double() @ w[0].double().T).float()
+    for nudge, ok in ((1e-6, True), (1e-1, False)):
+        out = ref.clone()
+        out[0, 0] += nudge * ref.abs().max()
+        v = gemm("grouped_gemm", torch.float32, args, out, ref)
+        ratio = worst_ratio(v.metrics, v.tolerance)
+        assert v.ok is ok and (ratio <= 1.0) is ok
+        assert ratio == pytest.approx(v.metrics["max_abs"] / v.tolerance["max_abs"])
