@@ -283,19 +283,13 @@ def _capability_fallback(res, case: Case, device_type: str) -> tuple[str, str]:
     refusal = res.capability.refusal(features)
     if refusal is None:
         return res.backend, ""
-    takers = (
-        cand.backend
-        for cand in res.alternatives
-        if cand.takes(device_type)
-        and (cand.capability is None or cand.capability.refusal(features) is None)
-    )
-    fallback = next(takers, None)
-    if fallback is None:  # the dispatcher refuses such a call outright
+    taker, _ = res.taker(device_type, features)  # the one the dispatcher picks
+    if taker is None:  # the dispatcher refuses such a call outright
         path = " -> ".join(cand.backend for cand in res.candidates)
         return res.backend, f"no backend along {path} takes {refusal}"
-    return fallback, (
+    return taker.backend, (
         f"backend {res.backend!r} declares it does not take {refusal} "
-        f"(such calls fall back to {fallback!r})"
+        f"(such calls fall back to {taker.backend!r})"
     )
 
 

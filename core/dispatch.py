@@ -12,7 +12,6 @@ here directly; everything else goes through ``torch.ops.glmport.*``, which calls
 from __future__ import annotations
 
 import inspect
-import logging
 
 import torch
 
@@ -29,8 +28,6 @@ from .selection import (
 from .shadow import observe
 from .specs import SPECS, OpSpec
 from .specs.quant import PreparedWeight
-
-log = logging.getLogger("glmport")
 
 # Metadata signatures (shapes, dtypes, devices, scalars) that passed the checks: in
 # meta mode a repeated call shape is not checked again (the checks read nothing else).
@@ -49,17 +46,17 @@ def _validate(spec: OpSpec, args: tuple, values: bool) -> str:
             for a in args
         ]
     )
-    key = (spec.name, sig)
+    key: tuple | None = (spec.name, sig)
     try:
         if key in _passed:
             return sig[0][2].type
-    except TypeError:  # an unhashable argument (a list where a tensor belongs)
-        spec.validate(args, values=False)
-        return sig[0][2].type
+    except TypeError:  # an unhashable argument (a list where a tensor belongs): no cache
+        key = None
     spec.validate(args, values=False)
-    if len(_passed) >= _MAX_PASSED:
-        _passed.clear()
-    _passed.add(key)
+    if key is not None:
+        if len(_passed) >= _MAX_PASSED:
+            _passed.clear()
+        _passed.add(key)
     return sig[0][2].type
 
 
@@ -130,23 +127,17 @@ def _pick(spec: OpSpec, res: Resolution, args: tuple, device_type: str):
             f"tensors, got tensors on {device_type}. Select a backend for {device_type} "
             "(GLMPORT_BACKEND=auto follows the inputs' device) or move the inputs."
         )
-    features = spec.features(*args)
-    refusals: list[tuple[str, str]] = []
-    for cand in res.candidates:
-        if not cand.takes(device_type):
-            continue
-        refusal = cand.capability.refusal(features) if cand.capability is not None else None
-        if refusal is None:
-            if refusals:
-                why = f"cannot take {refusals[0][1]} in"
-                log_fallback_once(refusals[0][0], spec.name, cand.backend, why)
-            return cand.kernel, cand.backend
-        refusals.append((cand.backend, refusal))
-    path = " -> ".join(c.backend for c in res.candidates)
-    refused = "; ".join(f"{b}: {r}" for b, r in refusals)
-    raise UnsupportedError(
-        f"glmport.ops.{spec.name}: no backend along {path} takes this call ({refused})"
-    )
+    cand, refusals = res.taker(device_type, spec.features(*args))
+    if cand is None:
+        path = " -> ".join(c.backend for c in res.candidates)
+        refused = "; ".join(f"{b}: {r}" for b, r in refusals)
+        raise UnsupportedError(
+            f"glmport.ops.{spec.name}: no backend along {path} takes this call ({refused})"
+        )
+    if refusals:
+        why = f"cannot take {refusals[0][1]} in"
+        log_fallback_once(refusals[0][0], spec.name, cand.backend, why)
+    return cand.kernel, cand.backend
 
 
 def fake(name: str, args: tuple) -> object:

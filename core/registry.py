@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 import torch
 
-from .errors import BackendUnavailableError, ConfigError, UnknownBackendError
+from .errors import BackendUnavailableError, ConfigError, GlmportError, UnknownBackendError
 from .specs import INTERFACE_NAMES, OP_NAMES, SPECS
 
 log = logging.getLogger("glmport")
@@ -270,18 +270,8 @@ class _Registry:
 
     def _load_plugin(self, name: str) -> Backend:
         ep = self.entry_points()[name]
-        try:
-            obj = ep.load()
-            backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
-        except Exception as err:  # a broken plug-in must not take the process down
-            raise BackendUnavailableError(
-                f"plug-in backend {name!r} ({ep.value}) failed to load: {type(err).__name__}: {err}"
-            ) from err
-        if not isinstance(backend, Backend):
-            raise BackendUnavailableError(
-                f"plug-in backend {name!r}: entry point {ep.value} gave {type(backend).__name__}, "
-                "expected a glmport.core.registry.Backend instance (or a callable returning one)"
-            )
+        where = f"plug-in backend {name!r} ({ep.value})"
+        backend = _load_backend(ep.load, where, BackendUnavailableError)
         if backend.manifest.name != name:
             raise BackendUnavailableError(
                 f"plug-in backend {name!r}: its manifest is named {backend.manifest.name!r}; "
@@ -406,25 +396,37 @@ class _Registry:
         return tuple(dict.fromkeys(items))
 
 
-def _import_backend(target: str) -> Backend:
-    """The :class:`Backend` that ``"module:attr"`` names: an instance, or a callable
-    returning one (:class:`ConfigError` says what is wrong with the target)."""
-    module, sep, attr = target.partition(":")
-    if not sep or not module or not attr:
-        raise ConfigError(f"plug-in {target!r}: expected module:attr, e.g. mychip_glmport:BACKEND")
+def _load_backend(load: Callable[[], object], where: str, error: type[GlmportError]) -> Backend:
+    """The :class:`Backend` that ``load`` (an import) gives: an instance, or a callable
+    returning one. A failing import or factory, or anything else, raises ``error``
+    naming ``where``: a broken plug-in must not take the process down."""
     try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        obj = load()
         backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
-    except Exception as err:  # the import or the factory: report it, naming the target
-        raise ConfigError(f"plug-in {target} failed to load: {type(err).__name__}: {err}") from err
+    except Exception as err:
+        raise error(f"{where} failed to load: {type(err).__name__}: {err}") from err
     if not isinstance(backend, Backend):
-        raise ConfigError(
-            f"plug-in {target} gave {type(backend).__name__}, expected a "
+        raise error(
+            f"{where} gave {type(backend).__name__}, expected a "
             "glmport.core.registry.Backend instance (or a callable returning one)"
         )
     return backend
+
+
+def _import_backend(target: str) -> Backend:
+    """The :class:`Backend` that ``"module:attr"`` names (:class:`ConfigError` says
+    what is wrong with the target)."""
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"plug-in {target!r}: expected module:attr, e.g. mychip_glmport:BACKEND")
+
+    def load() -> object:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    return _load_backend(load, f"plug-in {target}", ConfigError)
 
 
 REGISTRY = _Registry()
@@ -457,9 +459,15 @@ def unregister_backend(name: str) -> None:
     REGISTRY.unregister(name)
 
 
+def torch_code() -> tuple[str, ...]:
+    """The composite backends then the reference, each by priority: the torch code that
+    ends every vendor's fallback chain and differentiates what has no fused backward."""
+    return (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
+
+
 def chain_for(name: str) -> tuple[str, ...]:
     """The fallback chain starting at ``name``: itself, its declared fallbacks, then
     the composite backends (unless it is the reference) and the reference, each once."""
     m = REGISTRY.get(name).manifest
-    composites = () if m.role == REFERENCE else REGISTRY.with_role(COMPOSITE)
-    return tuple(dict.fromkeys((name, *m.fallback, *composites, *REGISTRY.with_role(REFERENCE))))
+    tail = REGISTRY.with_role(REFERENCE) if m.role == REFERENCE else torch_code()
+    return tuple(dict.fromkeys((name, *m.fallback, *tail)))

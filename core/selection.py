@@ -38,6 +38,7 @@ from .registry import (
     Capability,
     Kernel,
     chain_for,
+    torch_code,
 )
 from .specs import INTERFACE_NAMES
 
@@ -309,6 +310,22 @@ class Resolution:
         )
         return (first, *self.alternatives)
 
+    def taker(
+        self, device_type: str, features: Mapping[str, object]
+    ) -> tuple[Candidate | None, list[tuple[str, str]]]:
+        """The first candidate that runs on ``device_type`` and whose capabilities take
+        a call with ``features`` (None if none does), and ``(backend, refusal)`` of
+        each candidate on that device that declined before it."""
+        refusals: list[tuple[str, str]] = []
+        for cand in self.candidates:
+            if not cand.takes(device_type):
+                continue
+            refusal = cand.capability.refusal(features) if cand.capability is not None else None
+            if refusal is None:
+                return cand, refusals
+            refusals.append((cand.backend, refusal))
+        return None, refusals
+
 
 _logged_fallbacks: set[tuple[str, str, str]] = set()
 
@@ -389,10 +406,7 @@ def backward_owner(op: str, chain: tuple[str, ...], emulate: bool) -> str | None
     its chain is not extended (its gradients are then the reference's, not a
     composite's)."""
     ran_on_reference = REGISTRY.get(chain[-1]).manifest.role == REFERENCE
-    tail = (
-        () if ran_on_reference else (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
-    )
-    for name in dict.fromkeys((*chain, *tail)):
+    for name in dict.fromkeys((*chain, *(() if ran_on_reference else torch_code()))):
         available = REGISTRY.availability(name, emulate).ok
         if available and op + BACKWARD_SUFFIX in REGISTRY.kernels(name, emulate):
             return name
@@ -414,7 +428,7 @@ def composite_owner(op: str, chain: tuple[str, ...] = ()) -> str:
     reference."""
     if chain and REGISTRY.get(chain[-1]).manifest.role in (COMPOSITE, REFERENCE):
         return chain[-1]
-    names = (*REGISTRY.with_role(COMPOSITE), *REGISTRY.with_role(REFERENCE))
+    names = torch_code()
     for name in names:
         if op in REGISTRY.get(name).manifest.ops:
             return name
