@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import os
 
+# numpy's BLAS threads (the Triton interpreter's block math) contend with the other
+# pytest-xdist worker on a small machine: one thread each, set before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest
 import torch
+
+# The tests run the cuda backend's Triton kernels through the interpreter only; set
+# before anything (torch.compile's inductor included) imports triton, which defines its
+# own helpers in one mode for the whole process.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from glmport.core import shadow
 from glmport.core.selection import clear_cache
@@ -30,3 +39,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def cuda_module():
+    """Import a module of the cuda backend, its Triton kernels interpreted on the CPU
+    (``TRITON_INTERPRET`` is set above, before any kernel is defined):
+    ``cuda_module("attention")``."""
+    import importlib
+
+    def load(name: str):
+        return importlib.import_module(f"glmport.backends.cuda.{name}")
+
+    return load

@@ -143,11 +143,15 @@ def test_info_backend_shows_where_every_op_runs(code_backends, capsys):
     assert {r["backend"] for r in data["ops"].values()} == {"cpu"}
 
 
-def test_info_backend_emulated_and_unavailable(capsys):
+def test_info_backend_emulated_and_unavailable(capsys, registered):
     info = collect_info("generic", emulate=True)
     assert info["emulate"] and info["ops"]["sparse_attention"]["backend"] == "generic"
-    assert main(["info", "--backend", "cuda", "--emulate"]) == 2
-    assert "'cuda'" in capsys.readouterr().err  # unavailable: the reason, not a traceback
+    from code_backends import Absent
+
+    registered(Absent())
+    assert main(["info", "--backend", "absent", "--emulate"]) == 2
+    err = capsys.readouterr().err  # unavailable: the reason, not a traceback
+    assert "'absent'" in err and "no such chip in this machine" in err
 
 
 def test_plugin_targets_register_once_and_report_bad_targets(code_backends):

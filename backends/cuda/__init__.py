@@ -1,16 +1,49 @@
-"""The cuda backend: Triton kernels for NVIDIA GPUs (and ROCm through torch.cuda).
+"""The cuda backend: Triton kernels for NVIDIA GPUs (and ROCm GPUs through torch.cuda).
 
-Its kernels are not written yet: it implements no op and reports itself unavailable,
-so that nobody mistakes the fallback path for GPU kernels. Once it has kernels it runs
-on a CUDA device, or on the CPU through the Triton interpreter with
-``GLMPORT_EMULATE=1``.
+Every op is a ``@triton.jit`` kernel written for the hardware (one file per op family:
+``attention``, ``indexer``, ``gemm`` with ``quant``, ``moe``, ``norm_rope``,
+``logprobs``); ``runtime`` holds what they share. On a GPU the kernels autotune over a
+small config space; with ``GLMPORT_EMULATE=1`` exactly the same kernels run on CPU
+tensors through Triton's interpreter, with fixed large blocks, so the backend can be
+developed and judged without a GPU.
+
+Backward passes: ``sparse_attention`` and ``token_logprobs`` use the generic
+backend's closed-form chunked backward (the dispatcher's fallback for a missing
+``"<op>:backward"``), ``indexer_logits``, ``rms_norm``, ``rope``, ``moe_gate`` and
+the MoE permutations the vector-Jacobian product of the generic composites, and the
+GEMMs glmport's straight-through closed form. Only the forward passes are Triton.
+
+Triton decides at ``@triton.jit`` time whether a kernel is compiled or interpreted,
+its own helpers (``tl.sum``) included, when triton is first imported: a process
+chooses once. Probing the emulated backend before anything imports triton sets
+``TRITON_INTERPRET=1``; the other mode is then reported unavailable with the reason.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from collections.abc import Mapping
 
-from glmport.core.registry import Availability, Backend, BackendManifest, Kernel
+from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
+
+INTERPRET_VAR = "TRITON_INTERPRET"  # also in runtime.py, which imports triton
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get(INTERPRET_VAR, "0") not in ("", "0")
+
+
+def _triton_mode() -> bool | None:
+    """True / False when triton is already imported interpreted / compiled in this
+    process (its own ``@triton.jit`` helpers such as ``tl.sum`` are defined at import,
+    in one mode), None before its first import."""
+    if "triton" not in sys.modules:
+        return None
+    import triton.language as tl
+
+    return type(tl.standard.sum).__name__ == "InterpretedFunction"
 
 
 class CudaBackend(Backend):
@@ -18,18 +51,85 @@ class CudaBackend(Backend):
         name="cuda",
         device_type="cuda",
         description="Triton kernels for NVIDIA (and ROCm) GPUs",
-        ops=(),
+        ops=(
+            "lightning_indexer",
+            "indexer_logits",
+            "sparse_attention",
+            "moe_gate",
+            "moe_dispatch",
+            "moe_combine",
+            "grouped_gemm",
+            "quantize",
+            "quant_gemm",
+            "rms_norm",
+            "rope",
+            "token_logprobs",
+        ),
+        # Limits where a kernel's on-chip tiles stop fitting a GPU (shared memory,
+        # registers, compile time of the unrolled sort network); calls beyond them fall
+        # back to the generic backend on the same device.
+        capabilities={
+            "lightning_indexer": Capability(
+                q_heads=range(1, 129), head_dim=range(1, 257), topk=range(1, 8193)
+            ),
+            "indexer_logits": Capability(q_heads=range(1, 129), head_dim=range(1, 257)),
+            "sparse_attention": Capability(v_head_dim=range(0, 1025)),
+            "moe_gate": Capability(experts=range(1, 262145)),
+        },
         priority=30,
         emulation="Triton interpreter (TRITON_INTERPRET=1) on CPU tensors",
-        verified="not verified on real hardware",
+        verified="Triton interpreter on x86_64 CPUs (CI); not verified on a GPU",
         stack=("triton",),
     )
 
     def probe(self, emulate: bool) -> Availability:
-        return Availability(False, "no Triton kernels in this glmport version yet")
+        if importlib.util.find_spec("triton") is None:
+            return Availability(False, "triton is not installed: pip install glmport[cuda]")
+        mode = _triton_mode()
+        if emulate:
+            if mode is False:
+                return Availability(
+                    False,
+                    "triton was imported compiled in this process before emulation was "
+                    f"selected: set {INTERPRET_VAR}=1 (or GLMPORT_EMULATE=1) before it is imported",
+                )
+            os.environ[INTERPRET_VAR] = "1"  # before triton defines its own helpers
+            import triton
+
+            return Availability(True, f"Triton {triton.__version__} interpreter", emulated=True)
+        if mode or _interpret_requested():
+            return Availability(False, f"{INTERPRET_VAR} is set: Triton would only interpret")
+        import torch
+
+        if not torch.cuda.is_available():  # checked first: importing triton fixes its mode
+            return Availability(
+                False,
+                "no CUDA or ROCm device visible to torch "
+                "(GLMPORT_EMULATE=1 runs the kernels on the CPU through Triton's interpreter)",
+            )
+        import triton
+
+        return Availability(True, f"Triton {triton.__version__} on {torch.cuda.get_device_name()}")
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
-        return {}
+        # probe() ran first: under emulation TRITON_INTERPRET is set and triton imported
+        # interpreted, so the kernels below are defined interpreted too.
+        from . import attention, gemm, indexer, logprobs, moe, norm_rope, quant
+
+        return {
+            "lightning_indexer": indexer.lightning_indexer,
+            "indexer_logits": indexer.indexer_logits,
+            "sparse_attention": attention.sparse_attention,
+            "moe_gate": moe.moe_gate,
+            "moe_dispatch": moe.moe_dispatch,
+            "moe_combine": moe.moe_combine,
+            "grouped_gemm": gemm.grouped_gemm,
+            "quantize": quant.quantize,
+            "quant_gemm": gemm.quant_gemm,
+            "rms_norm": norm_rope.rms_norm,
+            "rope": norm_rope.rope,
+            "token_logprobs": logprobs.token_logprobs,
+        }
 
 
 BACKEND = CudaBackend()

@@ -1,0 +1,420 @@
+"""The lightning indexer: indexer scores and a fused top-k over them.
+
+``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` for ``s`` in the query's key range
+(fp8: the dot times ``q_scale[t, h] * k_scale[s]``; ``q_scale`` is folded into the
+weights, ``w * qs * relu(dot * ks)``, equal for the positive scales the op takes).
+
+``indexer_logits``: a program per (block of ``BLOCK_T`` queries, tile of ``BLOCK_N``
+keys). Its ``BLOCK_T * BLOCK_H`` query-head rows (``Hi`` padded to ``BLOCK_H >= 16``)
+meet the key tile in one ``[BLOCK_T * BLOCK_H, Di] x [Di, BLOCK_N]`` dot; ReLU, the
+weights and the head reduction are its epilogue, then the range mask and an fp32
+store. A tile outside every range of its query block skips the dot.
+
+``lightning_indexer``: a program per query token, top-k fused, never a ``[T, N]``
+score matrix. Scores become packed int64 sort keys, so one integer sort orders by
+score and breaks ties to the lower slot:
+
+- high 32 bits: the fp32 score's bits with the 31 low bits flipped for negatives,
+  which makes signed-int order equal float order (``-0.0`` is made ``+0.0`` first);
+- low 32 bits: ``2**31 - 1 - slot``, larger for lower slots;
+- a slot outside the range gets ``_EMPTY`` (``-2**63``), below every real key.
+
+The program keeps the best ``TILE`` keys so far, sorted descending, in registers:
+``TILE`` is ``min(topk, N)`` rounded up to a power of two, at least ``_MIN_TILE`` (or
+``N`` rounded up, if smaller). It walks its key range ``TILE`` keys at a time: a
+tile's scores are computed ``CHUNK = min(BLOCK_N, TILE)`` keys per dot
+(``[BLOCK_H, Di] x [Di, CHUNK]``, as in the logits kernel) and assembled into a
+``[TILE / CHUNK, CHUNK]`` register tile by a select on the chunk row. When the tile's
+best key beats the current ``topk``-th best, the tile is sorted ascending and merged
+by Batcher's half-cleaner: for a descending ``A`` and an ascending ``B`` of equal
+length, ``max(A[i], B[i])`` holds exactly the larger half of ``A | B`` (keys are
+unique) as a bitonic sequence, which one bitonic merge (``log2(TILE)`` steps) sorts
+descending into the new buffer. A merge never holds ``2 * TILE`` keys; a tile that
+cannot improve the top-k skips it. At the end the first ``min(topk, N)`` keys decode
+to (slot, score) and ``_EMPTY`` to ``-1`` / ``-inf``; columns from ``N`` on are
+padding filled by the wrapper.
+
+The bitonic network is written here (:func:`_bitonic`), not ``tl.sort``, whose
+partner exchange is an ``xor_sum`` reduction that Triton's interpreter runs as a
+Python loop per element (about 7 s per 2048-key sort). Here partners ``2**j`` apart
+meet through ``reshape`` / ``trans`` / ``split`` and ``join`` back, core builtins
+that the interpreter hands to numpy and that a GPU compiles to register moves and
+shuffles (checked: it compiles for sm_90 without spills at ``TILE = 2048``).
+Interpreter speed is Python per op and per call of a jitted function (milliseconds
+each), so the interpreter configs use large blocks and ``_INTERPRETER_MIN_TILE``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glmport.core.formats import FP8_DTYPE
+
+from .runtime import dot_dtype, interpreting, next_pow2, tuned
+
+# The sort key of a slot outside the query's range: below every real key (whose low
+# half, 2**31 - 1 - slot, is positive for any slot below 2**31 - 1).
+_EMPTY: tl.constexpr = tl.constexpr(-(2**63))
+# The smallest top-k buffer unless N is smaller: few merges for a small topk; under the
+# interpreter larger, for fewer and larger (numpy-bound) steps.
+_MIN_TILE = 256
+_INTERPRETER_MIN_TILE = 1024
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """The ``tl.dot`` operand dtype for inputs of ``dtype``; e4m3 values are exact in
+    float16 (what Triton's dot takes on every GPU generation)."""
+    if dtype == FP8_DTYPE:
+        return tl.float32 if interpreting() else tl.float16
+    return dot_dtype(dtype)
+
+
+@triton.jit
+def _weighted_relu_dots(
+    q,
+    w,
+    k_ptr,
+    ks_ptr,
+    offs_n,
+    n_valid,
+    offs_d,
+    d_mask,
+    skn,
+    skd,
+    sks,
+    FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """``w[:, None] * relu(q @ k[offs_n].T * ks[offs_n])``: ``[M, BLOCK_N]`` fp32 for
+    ``q`` ``[M, BLOCK_D]`` (dot dtype), ``w`` ``[M]`` fp32; keys outside ``n_valid``
+    read as 0 and are never touched in memory."""
+    kt = tl.load(
+        k_ptr + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
+        mask=n_valid[None, :] & d_mask[:, None],
+        other=0.0,
+    ).to(q.dtype)
+    dots = tl.dot(q, kt, input_precision="ieee") if IEEE else tl.dot(q, kt)
+    if FP8:
+        ks = tl.load(ks_ptr + offs_n.to(tl.int64) * sks, mask=n_valid, other=0.0)
+        dots = dots * ks[None, :]
+    return tl.maximum(dots, 0.0) * w[:, None]
+
+
+@triton.jit
+def _clamp_range(start, end, N):
+    """A key range ``[start, end)`` cut to ``[0, N)``: both clamped to ``[0, N]``, empty
+    when ``start >= end`` (docs/ops.md, unchecked values in meta mode)."""
+    start = tl.minimum(tl.maximum(start, 0), N)
+    return start, tl.maximum(tl.minimum(tl.maximum(end, 0), N), start)
+
+
+@tuned(
+    configs=[
+        triton.Config({"BLOCK_T": bt, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        # (1, 64): the smallest shared-memory footprint, for the widest heads in fp32.
+        for bt, bn, w, s in (
+            (1, 64, 4, 1),
+            (1, 128, 4, 2),
+            (2, 64, 4, 2),
+            (4, 64, 8, 2),
+            (4, 128, 8, 2),
+        )
+    ],
+    key=["Hi", "Di"],
+    interpreter={"BLOCK_T": 8, "BLOCK_N": 1024},
+)
+@triton.jit
+def _logits_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    start_ptr,
+    end_ptr,
+    qs_ptr,
+    ks_ptr,
+    out_ptr,
+    T,
+    N,
+    Hi,
+    Di,
+    sqt,
+    sqh,
+    sqd,
+    skn,
+    skd,
+    swt,
+    swh,
+    sst,
+    ssh,
+    sks,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``out[T, N]`` fp32 scores, ``-inf`` outside each query's range; the program id
+    runs over query blocks fastest, so neighbouring programs share a key tile."""
+    pid = tl.program_id(0)
+    num_t = tl.cdiv(T, BLOCK_T)
+    t0 = (pid % num_t) * BLOCK_T
+    n0 = (pid // num_t) * BLOCK_N
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    start, end = _clamp_range(
+        tl.load(start_ptr + offs_t, mask=t_mask, other=0),
+        tl.load(end_ptr + offs_t, mask=t_mask, other=0),
+        N,
+    )
+    scores = tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32)
+    lo = tl.min(tl.where(t_mask, start, N), axis=0)
+    hi = tl.max(tl.where(t_mask, end, 0), axis=0)
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        # Rows are (query, head) pairs: row r is query t0 + r // BLOCK_H, head r % BLOCK_H.
+        rows = tl.arange(0, BLOCK_T * BLOCK_H)
+        rt = t0 + rows // BLOCK_H
+        rh = rows % BLOCK_H
+        r_mask = (rt < T) & (rh < Hi)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < Di
+        q = tl.load(
+            q_ptr + rt[:, None].to(tl.int64) * sqt + rh[:, None] * sqh + offs_d[None, :] * sqd,
+            mask=r_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(DOT)
+        w = tl.load(w_ptr + rt.to(tl.int64) * swt + rh * swh, mask=r_mask, other=0.0)
+        if FP8:
+            w = w * tl.load(qs_ptr + rt.to(tl.int64) * sst + rh * ssh, mask=r_mask, other=0.0)
+        heads = _weighted_relu_dots(
+            q, w, k_ptr, ks_ptr, offs_n, offs_n < N, offs_d, d_mask, skn, skd, sks, FP8, IEEE
+        )
+        total = tl.sum(tl.reshape(heads, [BLOCK_T, BLOCK_H, BLOCK_N]), axis=1)
+        valid = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] < end[:, None])
+        scores = tl.where(valid, total, scores)
+    tl.store(
+        out_ptr + offs_t[:, None].to(tl.int64) * N + offs_n[None, :],
+        scores,
+        mask=t_mask[:, None] & (offs_n[None, :] < N),
+    )
+
+
+@triton.jit
+def _sort_keys(scores, slots, valid):
+    """Packed int64 keys whose descending order is (score descending, slot ascending)."""
+    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.int32, bitcast=True)  # -0.0 -> +0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    keys = (ordered.to(tl.int64) << 32) | (2147483647 - slots).to(tl.int64)
+    return tl.where(valid, keys, _EMPTY)
+
+
+@triton.jit
+def _bitonic(x, LOG_N: tl.constexpr, FIRST: tl.constexpr, DESCENDING: tl.constexpr):
+    """Stages ``FIRST..LOG_N`` of a bitonic sorting network on integers ``x``
+    ``[2**LOG_N]``: ``FIRST = 1`` sorts, ``FIRST = LOG_N`` sorts a bitonic sequence;
+    ascending, or descending when ``DESCENDING`` is 1.
+
+    Stage ``s`` merges runs of ``2**s`` into runs sorted in alternating directions (the
+    last stage in the requested one). Its descending runs are complemented first
+    (``~x`` reverses integer order exactly) and back after, so every step sorts
+    ascending: each pair ``2**j`` apart, ``[N / 2**(j+1), 2, 2**j]`` permuted to put
+    the pair axis last, split, ``minimum`` / ``maximum``, joined back. Only core
+    builtins, no nested jitted calls (``tl.min`` / ``tl.max`` are jitted): each call
+    costs the interpreter milliseconds."""
+    N: tl.constexpr = 1 << LOG_N
+    idx = tl.arange(0, N)
+    for s in tl.static_range(FIRST, LOG_N + 1):
+        flip = -((((idx >> s) & 1) ^ DESCENDING).to(x.dtype))  # all ones: a descending run
+        x = x ^ flip
+        for i in tl.static_range(s):
+            # Step j = s - 1 - i: partners 2**j apart (a constexpr cannot be reassigned).
+            a, b = tl.split(tl.trans(tl.reshape(x, [N >> (s - i), 2, 1 << (s - 1 - i)]), 0, 2, 1))
+            pair = tl.join(tl.minimum(a, b), tl.maximum(a, b))
+            x = tl.reshape(tl.trans(pair, 0, 2, 1), [N])
+        x = x ^ flip
+    return x
+
+
+@tuned(
+    configs=[
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bn, w, s in ((64, 8, 2), (128, 8, 2), (64, 16, 2))
+    ],
+    key=["Hi", "Di", "LOG_TILE"],
+    interpreter={"BLOCK_N": 1024},
+)
+@triton.jit
+def _lightning_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    start_ptr,
+    end_ptr,
+    qs_ptr,
+    ks_ptr,
+    idx_ptr,
+    score_ptr,
+    N,
+    Hi,
+    Di,
+    WIDTH,
+    OUT_COLS,
+    sqt,
+    sqh,
+    sqd,
+    skn,
+    skd,
+    swt,
+    swh,
+    sst,
+    ssh,
+    sks,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LOG_TILE: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Query ``t = program_id(0)``: its best ``WIDTH = min(topk, N)`` slots, best first,
+    into columns ``[0, WIDTH)`` of the ``[T, OUT_COLS]`` outputs (-1 / -inf padding)."""
+    TILE: tl.constexpr = 1 << LOG_TILE
+    CHUNK: tl.constexpr = BLOCK_N if BLOCK_N < TILE else TILE  # keys per dot
+    t = tl.program_id(0).to(tl.int64)
+    start, end = _clamp_range(tl.load(start_ptr + t), tl.load(end_ptr + t), N)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < Hi
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < Di
+    q = tl.load(
+        q_ptr + t * sqt + offs_h[:, None] * sqh + offs_d[None, :] * sqd,
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT)
+    w = tl.load(w_ptr + t * swt + offs_h * swh, mask=h_mask, other=0.0)
+    if FP8:
+        w = w * tl.load(qs_ptr + t * sst + offs_h * ssh, mask=h_mask, other=0.0)
+    pos = tl.arange(0, TILE)
+    chunk_row = tl.arange(0, TILE // CHUNK)[:, None]
+    best = tl.full([TILE], _EMPTY, tl.int64)  # sorted descending
+    kth = tl.max(tl.where(pos == WIDTH - 1, best, _EMPTY), axis=0)  # WIDTH-th best key
+    for n0 in range(start, end, TILE):
+        tile = tl.full([TILE // CHUNK, CHUNK], _EMPTY, tl.int64)
+        for c in range(0, TILE // CHUNK):
+            c0 = n0 + c * CHUNK
+            if c0 < end:  # the range's last tile is partly past its end
+                offs_n = c0 + tl.arange(0, CHUNK)
+                valid = offs_n < end
+                heads = _weighted_relu_dots(
+                    q, w, k_ptr, ks_ptr, offs_n, valid, offs_d, d_mask, skn, skd, sks, FP8, IEEE
+                )
+                keys = _sort_keys(tl.sum(heads, axis=0), offs_n, valid)
+                tile = tl.where(chunk_row == c, keys[None, :], tile)
+        if tl.max(tl.max(tile, axis=1), axis=0) > kth:
+            # Half-cleaner: best descending, tile ascending -> the larger half, bitonic.
+            rising = _bitonic(tl.reshape(tile, [TILE]), LOG_TILE, 1, 0)
+            best = _bitonic(tl.maximum(best, rising), LOG_TILE, LOG_TILE, 1)
+            kth = tl.max(tl.where(pos == WIDTH - 1, best, _EMPTY), axis=0)
+    high = (best >> 32).to(tl.int32)
+    scores = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    slots = 2147483647 - (best & 0x7FFFFFFF).to(tl.int32)
+    found = best != _EMPTY
+    out = t * OUT_COLS + pos
+    keep = pos < WIDTH
+    tl.store(idx_ptr + out, tl.where(found, slots, -1), mask=keep)
+    tl.store(score_ptr + out, tl.where(found, scores, float("-inf")), mask=keep)
+
+
+def _common_args(q, k, weights, k_start, k_end, q_scale, k_scale) -> tuple:
+    """Pointers, strides and constexprs shared by both kernels' launches. ``k_start``
+    and ``k_end`` are cheap ``[T]`` vectors, made contiguous (unit stride)."""
+    fp8 = q.dtype == FP8_DTYPE
+    dot = _dot_dtype(q.dtype)
+    qs = q_scale if fp8 else weights  # never read without FP8
+    ks = k_scale if fp8 else weights
+    strides = (
+        *q.stride(),
+        *k.stride(),
+        *weights.stride(),
+        *(qs.stride() if fp8 else (0, 0)),
+        ks.stride(0) if fp8 else 0,
+    )
+    meta = (next_pow2(q.shape[1]), next_pow2(q.shape[2]), fp8, dot, dot == tl.float32)
+    return (k_start.contiguous(), k_end.contiguous(), qs, ks), strides, meta
+
+
+def indexer_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """Every indexer score.
+
+    Args: q ``[T, Hi, Di]`` fp32 | bf16 | fp16 | float8_e4m3fn; k ``[N, Di]`` same dtype;
+    weights ``[T, Hi]`` fp32; k_start, k_end ``[T]`` int32 (cut to ``[0, N]``);
+    q_scale ``[T, Hi]`` / k_scale ``[N]`` fp32 with fp8, else None.
+
+    Returns: ``[T, N]`` fp32, ``-inf`` outside ``[k_start[t], k_end[t])``.
+    """
+    t, hi, di = q.shape
+    n = k.shape[0]
+    out = torch.empty((t, n), dtype=torch.float32, device=q.device)
+    if t == 0 or n == 0:
+        return out
+    (starts, ends, qs, ks), strides, meta = _common_args(
+        q, k, weights, k_start, k_end, q_scale, k_scale
+    )
+    grid = lambda m: (triton.cdiv(t, m["BLOCK_T"]) * triton.cdiv(n, m["BLOCK_N"]),)  # noqa: E731
+    _logits_kernel[grid](q, k, weights, starts, ends, qs, ks, out, t, n, hi, di, *strides, *meta)
+    return out
+
+
+def lightning_indexer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    topk: int,
+    q_scale: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``topk`` best key slots per query token.
+
+    Args: as :func:`indexer_logits`, and ``topk >= 1``.
+
+    Returns: indices ``[T, topk]`` int32, best first, ties to the lower slot, ``-1``
+    past the valid keys; scores ``[T, topk]`` fp32, ``-inf`` where the index is ``-1``.
+    """
+    t, hi, di = q.shape
+    n = k.shape[0]
+    # At most N slots are ever valid: the buffer holds min(topk, N), the rest is padding.
+    width = min(topk, n)
+    indices = torch.empty((t, topk), dtype=torch.int32, device=q.device)
+    scores = torch.empty((t, topk), dtype=torch.float32, device=q.device)
+    if width < topk:
+        indices[:, width:] = -1
+        scores[:, width:] = float("-inf")
+    if t == 0 or width == 0:
+        return indices, scores
+    (starts, ends, qs, ks), strides, meta = _common_args(
+        q, k, weights, k_start, k_end, q_scale, k_scale
+    )
+    min_tile = _INTERPRETER_MIN_TILE if interpreting() else _MIN_TILE
+    log_tile = max(next_pow2(width), min(min_tile, next_pow2(n))).bit_length() - 1
+    block_h, block_d, fp8, dot, ieee = meta
+    _lightning_kernel[(t,)](
+        q, k, weights, starts, ends, qs, ks, indices, scores,
+        n, hi, di, width, topk, *strides,
+        block_h, block_d, log_tile, fp8, dot, ieee,
+    )  # fmt: skip
+    return indices, scores

@@ -1,0 +1,123 @@
+"""What every Triton kernel of the cuda backend shares: interpreter mode, launch
+configurations (autotuned on a GPU, fixed and large under the interpreter), the dtype
+a kernel computes its dot products in, and exact float32 -> float8 rounding.
+
+Import this module, and the kernel modules, only after ``TRITON_INTERPRET`` has its
+final value for the process (``CudaBackend.load_kernels`` sets it for emulation):
+Triton decides at ``@triton.jit`` time whether a kernel is compiled or interpreted.
+
+The interpreter's defects the kernels work around (measured, triton 3.9):
+
+- bfloat16 arithmetic is wrong (values are kept as raw 16-bit patterns): every kernel
+  loads, converts to float32 at once (``DOT_DTYPE`` is float32 under the interpreter)
+  and converts back only at the store.
+- float32 -> bfloat16 conversion truncates instead of rounding to nearest even (half
+  of all values one ulp off, a bias that grows through a model's layers): every
+  floating output is stored through :func:`rounded_to`, which rounds in integer
+  arithmetic first (the GPU's own conversion gives the same values).
+- float32 -> float8e4nv conversion drops the carry when rounding crosses a power of
+  two (31.5 -> 16 instead of 32): :func:`round_to_e4m3` rounds in float32 first, so
+  the conversion only ever sees exactly representable values.
+
+Float32 division on a GPU is approximate (``div.full.f32``) unless spelled
+``tl.div_rn``; quantisation, which must match the formats bit for bit, uses it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET_VAR = "TRITON_INTERPRET"
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels defined now run in the interpreter (on CPU tensors)."""
+    return os.environ.get(INTERPRET_VAR, "0") not in ("", "0")
+
+
+class _FixedLaunch:
+    """A jitted kernel launched with one fixed meta-parameter set: the interpreter's
+    stand-in for ``triton.autotune`` (which would time every config with CUDA
+    events). ``kernel[grid](*args)`` works as for an autotuned kernel; a callable grid
+    receives the meta-parameters."""
+
+    def __init__(self, fn, config: dict) -> None:
+        self.fn = fn
+        self.config = dict(config)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            meta = {**self.config, **kwargs}
+            g = grid(meta) if callable(grid) else grid
+            return self.fn[g](*args, **meta)
+
+        return launch
+
+
+def tuned(configs: Sequence[triton.Config], key: Sequence[str], interpreter: dict) -> Callable:
+    """Decorate a ``@triton.jit`` kernel: ``triton.autotune`` over ``configs`` (keyed on
+    ``key``) on a GPU; under the interpreter, the single large-block ``interpreter``
+    meta-parameters (interpreted speed grows with the number of program instances)."""
+
+    def wrap(fn):
+        if interpreting():
+            return _FixedLaunch(fn, interpreter)
+        return triton.autotune(configs=list(configs), key=list(key))(fn)
+
+    return wrap
+
+
+def dot_dtype(dtype: torch.dtype):
+    """The Triton dtype a kernel feeds ``tl.dot`` for inputs of ``dtype``: the input's
+    own 16-bit type on a GPU (tensor cores), float32 under the interpreter (its bf16
+    arithmetic is wrong) and for float32 inputs (with ``input_precision="ieee"``: no
+    TF32, the float32 tolerance would not hold)."""
+    if interpreting() or dtype == torch.float32:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def next_pow2(n: int, floor: int = 16) -> int:
+    """The block size covering ``n`` (at least ``floor``: ``tl.dot`` needs 16)."""
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """Round float32 ``v`` (already clamped to +-448) to the nearest float8 e4m3 value,
+    ties to even, in float32: the spacing is ``2**(e - 3)`` for exponent ``e``, at least
+    ``2**-9`` (subnormals). Scaling by powers of two is exact; adding and subtracting
+    ``1.5 * 2**23`` rounds to an integer, half to even. The sign is copied back so that
+    tiny negatives round to -0.0 as torch's conversion does."""
+    mag = tl.abs(v)
+    bits = mag.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    spacing = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
+    r = ((mag * inverse + 12582912.0) - 12582912.0) * spacing
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_half_even(v):
+    """Round float32 ``v`` with ``|v| < 2**22`` to an integer value, half to even."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def rounded_to(v, dtype: tl.constexpr):
+    """Float32 ``v`` converted to ``dtype`` rounding to nearest, ties to even. For
+    bfloat16 the rounding is done on the bits first (add ``0x7FFF`` plus the lowest kept
+    bit, clear the low half; in int64, so nothing overflows), leaving a value the
+    interpreter's truncating conversion keeps exactly; NaN stays NaN."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True).to(tl.int64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = tl.where(v != v, v, bits.to(tl.uint32).to(tl.float32, bitcast=True))
+    return v.to(dtype)
