@@ -43,14 +43,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+# Run as a script this folder is sys.path[0], where torch.cuda's `import cuda.bindings`
+# (cuda-python's package name) would find this file: out of the path until torch loads.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
+import torch  # noqa: E402
 
-from common import RESULTS, environment, markdown_table, table
+sys.path.insert(0, str(HERE))  # its helpers
 
-import glmport
-from glmport.core.formats import quantize_tensor
+from common import RESULTS, environment, markdown_table, table  # noqa: E402
+
+import glmport  # noqa: E402
+from glmport.core.formats import quantize_tensor  # noqa: E402
 
 SECTIONS = ("decode", "prefill", "indexer", "gemm", "ops")
 # Peak HBM bandwidth (TB/s) and dense bf16 / fp8 tensor TFLOPS, by device name.
