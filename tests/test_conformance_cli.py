@@ -158,8 +158,10 @@ def test_an_unavailable_backend_never_passes_silently(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     data = json.loads((report / "conformance.json").read_text())
-    assert data["verdict"]["conforms"] is False and data["summary"]["total"] == 0  # no op
-    assert data["fallback_summary"]["skipped"] == data["fallback_summary"]["total"] > 0
+    assert data["verdict"]["conforms"] is False and data["verdict"]["run_ok"] is False
+    own = [c for c in data["cases"] if c["own"]]  # its rope checks: skipped, saying why
+    assert own and all(c["outcome"] == "skipped" for c in own)
+    assert data["summary"]["skipped"] == data["summary"]["total"] == len(own)
     assert all("no such chip in this machine" in c["reason"] for c in data["cases"])
 
 

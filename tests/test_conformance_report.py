@@ -56,12 +56,21 @@ class Absent(Backend):
         return {"rms_norm": _rms_norm}
 
 
+class Empty(Backend):
+    """Implements no op: everything falls back."""
+
+    manifest = BackendManifest(name="empty", device_type="cpu", description="test: no op", ops=())
+
+    def load_kernels(self, emulate):
+        return {}
+
+
 @pytest.fixture(autouse=True)
 def test_backends():
-    for b in (OneOp(), Absent()):
+    for b in (OneOp(), Absent(), Empty()):
         register_backend(b, replace=True)
     yield
-    for name in ("one_op", "absent"):
+    for name in ("one_op", "absent", "empty"):
         unregister_backend(name)
 
 
@@ -147,11 +156,11 @@ def test_own_and_fallback_checks_are_counted_apart():
 
 def test_a_backend_that_implements_nothing_does_not_conform():
     records = [_rec("rope-a", "rope", "pass", "generic", False)]
-    report = build_report(records, backend="cuda", full=False, emulate=False, ops=("rope",))
+    report = build_report(records, backend="empty", full=False, emulate=False, ops=("rope",))
     assert report["verdict"]["conforms"] is False and report["verdict"]["run_ok"] is False
     assert report["summary"]["total"] == 0 and report["fallback_summary"]["pass"] == 1
     assert verdict_line(report).startswith(
-        "backend 'cuda' DOES NOT CONFORM (quick mode): it implements no op"
+        "backend 'empty' DOES NOT CONFORM (quick mode): it implements no op"
     )
     assert "None: it implements no op" in markdown(report)
 

@@ -78,7 +78,9 @@ class CudaBackend(Backend):
         },
         priority=30,
         emulation="Triton interpreter (TRITON_INTERPRET=1) on CPU tensors",
-        verified="Triton interpreter on x86_64 CPUs (CI); not verified on a GPU",
+        verified=(
+            "Triton interpreter on x86_64 CPUs (CI); compiled for sm_90, not verified on a GPU"
+        ),
         stack=("triton",),
     )
 
@@ -97,8 +99,6 @@ class CudaBackend(Backend):
             import triton
 
             return Availability(True, f"Triton {triton.__version__} interpreter", emulated=True)
-        if mode or _interpret_requested():
-            return Availability(False, f"{INTERPRET_VAR} is set: Triton would only interpret")
         import torch
 
         if not torch.cuda.is_available():  # checked first: importing triton fixes its mode
@@ -107,6 +107,8 @@ class CudaBackend(Backend):
                 "no CUDA or ROCm device visible to torch "
                 "(GLMPORT_EMULATE=1 runs the kernels on the CPU through Triton's interpreter)",
             )
+        if mode or _interpret_requested():
+            return Availability(False, f"{INTERPRET_VAR} is set: Triton would only interpret")
         import triton
 
         return Availability(True, f"Triton {triton.__version__} on {torch.cuda.get_device_name()}")
