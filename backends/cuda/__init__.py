@@ -28,10 +28,12 @@ from collections.abc import Mapping
 
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
 
-INTERPRET_VAR = "TRITON_INTERPRET"  # also in runtime.py, which imports triton
+INTERPRET_VAR = "TRITON_INTERPRET"
 
 
-def _interpret_requested() -> bool:
+def interpreting() -> bool:
+    """Whether Triton kernels defined now run in the interpreter (on CPU tensors).
+    Here, not in ``runtime``, because the probe must ask without importing triton."""
     return os.environ.get(INTERPRET_VAR, "0") not in ("", "0")
 
 
@@ -107,7 +109,7 @@ class CudaBackend(Backend):
                 "no CUDA or ROCm device visible to torch "
                 "(GLMPORT_EMULATE=1 runs the kernels on the CPU through Triton's interpreter)",
             )
-        if mode or _interpret_requested():
+        if mode or interpreting():
             return Availability(False, f"{INTERPRET_VAR} is set: Triton would only interpret")
         import triton
 

@@ -25,7 +25,6 @@ Float32 division on a GPU is approximate (``div.full.f32``) unless spelled
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -33,12 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-INTERPRET_VAR = "TRITON_INTERPRET"
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels defined now run in the interpreter (on CPU tensors)."""
-    return os.environ.get(INTERPRET_VAR, "0") not in ("", "0")
+from . import interpreting  # re-exported: the kernel modules ask here
 
 
 def _patch_languages_once_per_launch() -> None:
