@@ -1,0 +1,41 @@
+"""A CPU emulator of the torch_npu fused ops the ascend adapters call.
+
+Each function reproduces its op's documented contract (cited in its docstring): the
+argument names, keyword-only parameters and defaults, the vendor's layouts (BSND,
+TND with cumulative sequence lengths, PA_BSND with a block table), its output tuple
+and dtypes, and an :class:`NpuContractError` wherever the real op documents a
+constraint. It is not glmport's reference under vendor names: it works in the
+vendor's conventions, so under ``GLMPORT_EMULATE=1`` the adapters' conversions into
+and out of them are what the conformance suite judges. This package stands in for
+the ``torch_npu`` module: an adapter calls ``npu.npu_lightning_indexer(...)`` on
+either. Arithmetic is float32 (the NPU's accumulation precision) on CPU tensors.
+"""
+
+from .attention import npu_sparse_flash_attention
+from .contract import NpuContractError
+from .gemm import (
+    npu_convert_weight_to_int4pack,
+    npu_grouped_matmul,
+    npu_quant_matmul,
+    npu_weight_quant_batchmatmul,
+)
+from .indexer import npu_lightning_indexer
+from .moe import npu_moe_finalize_routing, npu_moe_gating_top_k, npu_moe_init_routing_v2
+from .norm_rope import npu_rms_norm, npu_rotary_mul
+
+__all__ = [
+    "NpuContractError",
+    "npu_convert_weight_to_int4pack",
+    "npu_grouped_matmul",
+    "npu_lightning_indexer",
+    "npu_moe_finalize_routing",
+    "npu_moe_gating_top_k",
+    "npu_moe_init_routing_v2",
+    "npu_quant_matmul",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_sparse_flash_attention",
+    "npu_weight_quant_batchmatmul",
+]
+# The torch_npu ops the adapters call (the probe checks a real torch_npu has each).
+OPS = tuple(name for name in __all__ if name.startswith("npu_"))
