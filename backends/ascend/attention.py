@@ -1,0 +1,134 @@
+"""glmport's ``sparse_attention`` on ``torch_npu.npu_sparse_flash_attention`` (SFA), the
+fused sparse MLA attention Ascend deployments of DeepSeek-V3.2 / GLM-5 call.
+
+The op's contract: Ascend/op-plugin
+``docs/zh/custom_APIs/torch_npu/torch_npu-npu_sparse_flash_attention.md``
+(https://gitcode.com/Ascend/op-plugin), with CANN ops-transformer
+``attention/sparse_flash_attention`` (README, aclnn page, tiling checks, golden
+reference; https://gitcode.com/cann/ops-transformer); the emulator
+(:mod:`glmport.backends.ascend.emulator.attention`) restates it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType, SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from ..generic.attention import sparse_attention as generic_sparse_attention
+
+LATENT = 512  # the op's D: query / key / value
+INT64_MAX = 2**63 - 1
+
+
+def sparse_attention(
+    npu: ModuleType | SimpleNamespace,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA sparse attention through ``npu.npu_sparse_flash_attention``.
+
+    Inside the declared capability: ``q [T, H, 576]`` bf16 | fp16 with ``H`` in
+    1/2/4/.../128, ``k [N, 1, 576]`` (latent 512 + rope 64), ``v [N, 1, 512]``,
+    ``indices [T, K]`` int32 | int64 global slots (``-1`` ignored). Returns ``out
+    [T, H, 512]`` in ``q``'s dtype and ``lse [T, H]`` fp32 (natural log of
+    ``sum exp(scale * q . k)`` over the selected slots); a row with no valid slot gives
+    ``out = 0``, ``lse = -inf``.
+
+    Docs: Ascend/op-plugin (https://gitcode.com/Ascend/op-plugin)
+    ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_sparse_flash_attention.md``; CANN ops-transformer
+    ``attention/sparse_flash_attention`` (https://gitcode.com/cann/ops-transformer).
+
+    How glmport's conventions map onto the op:
+
+    - Layout: one batch holds all ``N`` slots, ``layout_query = layout_kv = "TND"`` with
+      cumulative lengths ``[T]`` / ``[S2]``, so glmport's global slot ids are the
+      batch-relative block ids the op takes (``sparse_block_size=1``: one token per id).
+      ``sparse_mode=0`` ("only the sparse selection, no extra causal mask"): causality
+      is already in the indices, while mode 3's rightDownCausal crop would restrict row
+      ``i`` to slots ``<= S2 - T + i``, which glmport's arbitrary (e.g. paged) slots do
+      not obey.
+    - The op reads only a row's first ``min(K, S2)`` entries, so the kv sequence is
+      zero-padded to ``S2 = max(N, K)`` rows (never selected): with ``N < K`` and
+      repeated slots a row can hold more than ``N`` valid entries.
+    - Indices: entries outside ``[0, N)`` become ``-1`` (glmport's rule, also what
+      ``GLMPORT_VALIDATE=meta`` needs: nothing out of bounds reaches the op), then each
+      row is sorted descending, which puts the ``-1`` padding last as the op requires
+      (its kernel stops at the first ``-1``); the order of a row's slots does not change
+      the softmax. A slot listed twice counts twice, as in glmport.
+    - MLA-absorb: ``attention_mode=2`` is passed explicitly, like every keyword that
+      drifts between builds (torch_npu defaults it to 0, vllm-ascend's ``_C_ascend``
+      copy to 2). ``q`` and ``k`` are split into the op's 512-wide ``query`` / ``key`` and
+      64-wide ``query_rope`` / ``key_rope`` (contiguous copies: the op takes no
+      non-contiguous input). In this mode the op uses ``key`` as the value ("key and
+      value share the same data"), so it can only compute glmport's op when
+      ``v == k[..., :512]``: a view of ``k`` is recognised from its storage (no sync);
+      any other ``v`` costs one ``torch.equal`` (a device sync), and a ``v`` that differs
+      runs the generic backend's composite instead.
+    - lse: ``return_softmax_lse=True`` gives fp32 ``softmax_max`` (max of the scaled
+      scores) and ``softmax_sum`` (``sum exp(s - max)``), ``[1, T, H]`` in TND, so
+      ``lse = softmax_max + log(softmax_sum)``. The op leaves a row that selects no
+      token undefined (measured: ``softmax_max = -2e38``, ``softmax_sum`` = the slot
+      count), so such rows are masked here to ``out = 0``, ``lse = -inf``.
+    - The op rejects empty ``query`` / ``key`` / ``sparse_indices``: ``T = 0``,
+      ``N = 0`` or ``K = 0`` return the empty result without calling it.
+
+    Host data: the two length tensors are built from Python ints (a host-to-device copy,
+    no sync); the op's API takes them as device int32 tensors.
+    """
+    t, h, _ = q.shape
+    n, kk = k.shape[0], indices.shape[1]
+    valid = (indices >= 0) & (indices < n)  # [T, K]
+    has_slot = valid.any(dim=1)  # [T]
+    if t == 0 or n == 0 or kk == 0:
+        out = torch.zeros((t, h, LATENT), dtype=q.dtype, device=q.device)
+        return out, torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device)
+    if not (_is_latent_view(k, v) or torch.equal(v, k[..., :LATENT])):
+        return generic_sparse_attention(q, k, v, indices, scale)
+    s2 = max(n, kk)
+    key = _padded(k[..., :LATENT], s2)
+    slots = torch.where(valid, indices, -1).to(torch.int32)
+    slots = torch.sort(slots, dim=1, descending=True).values.reshape(t, 1, kk).contiguous()
+    out, softmax_max, softmax_sum = npu.npu_sparse_flash_attention(
+        q[..., :LATENT].contiguous(),
+        key,
+        key,
+        slots,
+        float(scale),
+        block_table=None,
+        actual_seq_lengths_query=torch.tensor([t], dtype=torch.int32, device=q.device),
+        actual_seq_lengths_kv=torch.tensor([s2], dtype=torch.int32, device=q.device),
+        query_rope=q[..., LATENT:].contiguous(),
+        key_rope=_padded(k[..., LATENT:], s2),
+        sparse_block_size=1,
+        layout_query="TND",
+        layout_kv="TND",
+        sparse_mode=0,
+        pre_tokens=INT64_MAX,
+        next_tokens=INT64_MAX,
+        attention_mode=2,
+        return_softmax_lse=True,
+    )
+    lse = (softmax_max + torch.log(softmax_sum))[0]  # [1, T, H] -> [T, H]
+    out = torch.where(has_slot[:, None, None], out, 0.0)
+    lse = torch.where(has_slot[:, None], lse, float("-inf"))
+    return out, lse
+
+
+def _is_latent_view(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when ``v`` is ``k[..., :512]`` by storage: same data, no sync."""
+    return (
+        torch._C._is_alias_of(v, k)
+        and v.storage_offset() == k.storage_offset()
+        and v.shape == (*k.shape[:2], LATENT)
+        and v.stride() == k.stride()
+    )
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [N, 1, D]`` as a contiguous ``[rows, 1, D]`` copy, zero rows appended."""
+    return F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0])).contiguous()

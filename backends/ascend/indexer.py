@@ -1,0 +1,267 @@
+"""glmport's indexer ops on ``torch_npu.npu_lightning_indexer``.
+
+The op (torch_npu: ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_lightning_indexer.md``
+in https://gitcode.com/Ascend/op-plugin, read at commit 517f2e7d; CANN:
+``attention/lightning_indexer/docs/aclnnLightningIndexer.md`` in
+https://gitcode.com/cann/ops-transformer) scores the keys of a BATCH of queries and
+keeps the top ``sparse_count``, with a causal mask aligned to the last key
+(``sparse_mode=3``) or none (``sparse_mode=0``). glmport gives every query its own key
+range ``[k_start, k_end)`` of one key pool, so the adapters cut the queries into
+batches the op's masks reproduce exactly:
+
+- a causal run: consecutive queries with one ``k_start`` whose ``k_end`` grows by one
+  per query. With S1 queries over keys ``[k_start, k_end[last])`` (S2 of them),
+  ``sparse_mode=3`` lets query ``i`` see keys ``j <= i + S2 - S1``: exactly its range.
+  glmport's packed prefill and its cached steps (each sequence's new tokens over that
+  sequence's keys, sequences packed one after the other) are one causal run per
+  sequence, all in one call whose TND key tensor is ``k`` itself (no copy).
+- a shared run: two or more consecutive queries with one range, ``sparse_mode=0``.
+- anything else: one query per batch (``sparse_mode=3`` with S1 = 1 sees its range).
+
+So any ranges are served by at most two calls (mode 3, mode 0). Indices come back as
+positions within the batch's keys: the batch's ``k_start`` is added. The op does not
+document the order of a row, so rows are re-sorted best first (ties to the lower slot).
+Scores are the op's ``sparse_values`` (``return_value=True``), which it returns in the
+query's dtype: scores are rounded to bf16 / fp16 (within glmport's bf16 / fp16
+tolerance; the choice itself is the op's).
+
+Constraints the manifest declares (Atlas A2 / A3, same pages): q bf16 / fp16 (fp32 and
+fp8 run on generic: the quantised ``npu_quant_lightning_indexer`` takes int8 q / k on
+A3, float8_e4m3fn only on Ascend 950, and returns no scores), Hi <= 64, Di = 128,
+``topk <= 8192`` (``sparse_count`` in ``[1, 2048]`` or 3072 .. 8192 in steps of 1024:
+a ``topk`` between is requested as the next step and trimmed), and for
+:func:`indexer_logits` ``N <= 8192`` (every key of a range must fit one row).
+
+``return_value=True`` is documented for non-paged keys only and, on A2 / A3, not in
+graph mode. The pages before March 2026 allowed only N1 = 64 and weights in the query's
+dtype; these adapters follow the current page (N1 <= 64, fp32 weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from glmport.backends.cpu.indexer import clamp_key_ranges
+
+# Every score of an fp16 call stays below this (fp16's largest finite value is 65504).
+_FP16_SAFE = 2.0**15
+
+
+def sparse_count_for(width: int) -> int:
+    """The smallest ``sparse_count`` the op takes that is ``>= width`` (``1 <= width <=
+    8192``): ``width`` itself up to 2048, else the next multiple of 1024."""
+    return width if width <= 2048 else -(-width // 1024) * 1024
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One op call: ``B`` batches of consecutive queries, in query order.
+
+    All host int64 tensors: ``rows [Tc]`` the queries (ascending), ``counts [B]`` queries
+    per batch, ``key_start`` / ``key_end [B]`` each batch's keys ``[start, end)``."""
+
+    mode: int
+    rows: torch.Tensor
+    counts: torch.Tensor
+    key_start: torch.Tensor
+    key_end: torch.Tensor
+
+
+def _plan(start: torch.Tensor, end: torch.Tensor) -> list[_Call]:
+    """Queries with key ranges ``[start, end)`` (host int64 ``[T]``, clamped) as causal
+    runs (one ``sparse_mode=3`` call, lone queries included) and shared runs (one
+    ``sparse_mode=0`` call)."""
+    t = start.numel()
+    same_start = start[1:] == start[:-1]
+    causal = torch.ones(t, dtype=torch.bool)  # query t starts a causal run
+    causal[1:] = ~(same_start & (end[1:] == end[:-1] + 1))
+    run = causal.cumsum(0) - 1
+    lone = torch.bincount(run)[run] == 1
+    # A lone query with the previous lone query's range joins its shared run.
+    join = torch.zeros(t, dtype=torch.bool)
+    join[1:] = lone[1:] & lone[:-1] & same_start & (end[1:] == end[:-1])
+    shared = join.clone()
+    shared[:-1] |= join[1:]
+    batch = (causal & ~join).cumsum(0)
+    calls = []
+    for mode, member in ((3, ~shared), (0, shared)):
+        rows = member.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        counts = torch.unique_consecutive(batch[rows], return_counts=True)[1]
+        last = counts.cumsum(0) - 1
+        first = last - counts + 1
+        calls.append(_Call(mode, rows, counts, start[rows[first]], end[rows[last]]))
+    return calls
+
+
+def _packed_keys(k: torch.Tensor, call: _Call) -> torch.Tensor:
+    """The TND key tensor ``[T2, 1, Di]``: each batch's keys, batch after batch. A view
+    of ``k`` when the non-empty ranges follow each other (the model's packed keys)."""
+    lengths = call.key_end - call.key_start
+    filled = lengths > 0
+    starts, ends = call.key_start[filled], call.key_end[filled]
+    if bool((starts[1:] == ends[:-1]).all()):
+        keys = k[int(starts[0]) : int(ends[-1])]
+    else:
+        # Overlapping or unordered ranges: gather a copy of the keys each batch reads.
+        before = lengths.cumsum(0) - lengths
+        slots = torch.repeat_interleave(call.key_start - before, lengths)
+        slots = slots + torch.arange(slots.numel())
+        keys = k.index_select(0, slots.to(k.device))
+    return keys.contiguous().unsqueeze(1)  # the op takes no non-contiguous key
+
+
+def _fp16_weights(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights / scale, scale [T])``: fp16 ``sparse_values`` overflow past 65504, so
+    each query's fp32 weights are divided by a power of two (exact) that brings the
+    bound ``sum_h |w_h| |q_h| max_s |k_s|`` on its scores under 2**15; the scores are
+    multiplied back in fp32."""
+    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)  # [T, Hi]
+    k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax()
+    bound = (weights.abs() * q_norm).sum(dim=1) * k_norm
+    scale = torch.exp2(torch.ceil(torch.log2(bound / _FP16_SAFE)).clamp_min(0))
+    return weights / scale[:, None], scale
+
+
+def _selections(
+    npu: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    cap: int,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(rows [Tc], slots [Tc, C] int64, scores [Tc, C] fp32)`` per op call: each
+    query's best ``min(cap, its range length)`` keys as global slots (``-1`` / ``-inf``
+    after them), in the op's order. ``N >= 1``, ``T >= 1``."""
+    # Meta mode leaves ranges unchecked: cut them to [0, N] (the identity otherwise).
+    k_start, k_end = clamp_key_ranges(k_start, k_end, k.shape[0])
+    # Host copy (one sync): the op takes per-batch sequence lengths, and the batches
+    # follow from the range values.
+    start, end = k_start.cpu().long(), k_end.cpu().long()
+    scale = None
+    if q.dtype == torch.float16:
+        weights, scale = _fp16_weights(q, k, weights)
+    device = q.device
+    out = []
+    for call in _plan(start, end):
+        lengths = call.key_end - call.key_start
+        width = min(cap, int(lengths.max()))
+        if width == 0:
+            continue  # no keys in any batch (the op takes no empty key tensor)
+        sparse_count = sparse_count_for(width)
+        rows = call.rows.to(device)
+        every = call.rows.numel() == q.shape[0]
+        # weights stay fp32: the op takes fp32 weights with a bf16 / fp16 query.
+        q_c = q if every else q.index_select(0, rows)
+        w_c = weights if every else weights.index_select(0, rows)
+        indices, values = npu.npu_lightning_indexer(
+            q_c.contiguous(),
+            _packed_keys(k, call),
+            w_c.contiguous(),
+            actual_seq_lengths_query=call.counts.cumsum(0).to(device, torch.int32),
+            actual_seq_lengths_key=lengths.cumsum(0).to(device, torch.int32),
+            layout_query="TND",
+            layout_key="TND",
+            sparse_count=sparse_count,
+            sparse_mode=call.mode,
+            return_value=True,
+        )
+        indices = indices.reshape(-1, sparse_count).long()
+        values = values.reshape(-1, sparse_count).float()
+        if scale is not None:
+            values = values * scale.index_select(0, rows)[:, None]
+        offset = torch.repeat_interleave(call.key_start, call.counts).to(device)
+        valid = indices >= 0  # the value of a -1 slot is undocumented: ignore it
+        slots = torch.where(valid, indices + offset[:, None], -1)
+        out.append((rows, slots, torch.where(valid, values, float("-inf"))))
+    return out
+
+
+def _best_first(slots: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row best first, the lower slot first among equal scores, ``-1`` last."""
+    last = torch.iinfo(torch.int64).max
+    order = torch.sort(torch.where(slots < 0, last, slots), dim=1, stable=True)[1]
+    slots, scores = slots.gather(1, order), scores.gather(1, order)
+    order = torch.sort(scores, dim=1, descending=True, stable=True)[1]
+    return slots.gather(1, order), scores.gather(1, order)
+
+
+def lightning_indexer(
+    npu: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    topk: int,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """glmport's ``lightning_indexer`` on ``npu.npu_lightning_indexer`` (TND layouts,
+    one batch per run of queries, see the module docstring).
+
+    Args:
+        npu: ``torch_npu`` or the emulator.
+        q: ``[T, Hi, 128]`` bf16 / fp16, ``Hi <= 64``.
+        k: ``[N, 128]``, q's dtype.
+        weights: ``[T, Hi]`` fp32 (passed as fp32: no rounding of the weights).
+        k_start, k_end: ``[T]`` int32 key ranges (clamped to ``[0, N]``).
+        topk: ``1 .. 8192``.
+        q_scale, k_scale: None (fp8 is not declared).
+
+    Returns:
+        ``indices [T, topk]`` int32 slots of ``k`` best first (ties to the lower slot)
+        and ``scores [T, topk]`` fp32 (the op's bf16 / fp16 values), ``-1`` / ``-inf``
+        after ``min(topk, range length)`` keys.
+
+    Docs: ``torch_npu-npu_lightning_indexer.md`` (Ascend/op-plugin,
+    ``docs/zh/custom_APIs/torch_npu/``); ``aclnnLightningIndexer.md`` (cann/ops-transformer).
+    """
+    t, n = q.shape[0], k.shape[0]
+    indices = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
+    scores = torch.full((t, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    if t == 0 or n == 0:
+        return indices, scores  # the op takes no empty tensor
+    for rows, slots, values in _selections(npu, q, k, weights, k_start, k_end, topk):
+        slots, values = _best_first(slots, values)
+        width = min(topk, slots.shape[1])  # a sparse_count above topk is trimmed
+        indices[rows, :width] = slots[:, :width].to(torch.int32)
+        scores[rows, :width] = values[:, :width]
+    return indices, scores
+
+
+def indexer_logits(
+    npu: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """glmport's ``indexer_logits`` on ``npu.npu_lightning_indexer``: a ``sparse_count``
+    covering every range returns every score of it (``N <= 8192``, the largest
+    ``sparse_count``), scattered into ``[T, N]`` fp32 with ``-inf`` outside the ranges.
+
+    Same inputs as :func:`lightning_indexer` without ``topk``; the scores are the op's
+    bf16 / fp16 values. Docs: as :func:`lightning_indexer`.
+    """
+    t, n = q.shape[0], k.shape[0]
+    logits = torch.full((t, n), float("-inf"), dtype=torch.float32, device=q.device)
+    if t == 0 or n == 0:
+        return logits
+    for rows, slots, values in _selections(npu, q, k, weights, k_start, k_end, n):
+        # -1 slots write their -inf to a spare column N.
+        part = torch.full((rows.numel(), n + 1), float("-inf"), device=q.device)
+        part.scatter_(1, torch.where(slots < 0, n, slots), values)
+        logits.index_copy_(0, rows, part[:, :n])
+    return logits

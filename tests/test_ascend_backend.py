@@ -1,0 +1,258 @@
+"""The ascend backend as a whole: chip generations, the probe on machines with and
+without torch_npu (a stand-in module: torch_npu is never installed here), every op
+served by its adapter under ``GLMPORT_EMULATE=1`` (the emulated torch_npu op really
+called, no silent fallback), inputs outside the chip limits falling back to generic
+with one log line, ``glmport info``, and the tiny GLM-5 end to end."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+import glmport
+from glmport.backends.ascend import BACKEND, emulator
+from glmport.backends.ascend.chips import chip_generation
+from glmport.cli import main
+from glmport.conformance.cases import all_cases
+from glmport.core import selection
+from glmport.core.selection import resolve
+from glmport.core.specs import SPECS
+
+ASCEND_OPS = BACKEND.manifest.ops
+
+
+@pytest.mark.parametrize(
+    ("soc", "generation"),
+    [
+        ("Ascend910B1", "A2"),
+        ("Ascend910B4-1", "A2"),
+        ("Ascend910B2C", "A2"),
+        ("Ascend910_9391", "A3"),
+        ("Ascend910_9362", "A3"),
+        ("Ascend950PR_9579", "A5"),
+        ("Ascend310P3", "310P"),
+        ("Ascend910B", "910"),
+        ("Ascend910ProB", "910"),
+        ("GeForce", None),
+    ],
+)
+def test_chip_generation_from_the_soc_name(soc, generation):
+    assert chip_generation(soc) == generation
+
+
+def test_without_torch_npu_the_probe_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    avail = BACKEND.probe(emulate=False)
+    assert not avail.ok and "pip install glmport[ascend]" in avail.reason
+    assert "GLMPORT_EMULATE=1" in avail.reason
+
+
+def _fake_torch_npu(monkeypatch, soc: str, *, available: bool = True, lacks: tuple = ()):
+    """Install a stand-in ``torch_npu`` module and ``torch.npu`` reporting ``soc``."""
+    fake = types.ModuleType("torch_npu")
+    fake.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    fake.__version__ = "2.11.0.post1"
+    for name in emulator.OPS:
+        if name not in lacks:
+            setattr(fake, name, getattr(emulator, name))
+    device = types.SimpleNamespace(is_available=lambda: available, get_device_name=lambda: soc)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", device, raising=False)
+
+
+@pytest.mark.parametrize("soc", ["Ascend910B3", "Ascend910_9391"])
+def test_the_probe_accepts_atlas_a2_and_a3(monkeypatch, soc):
+    _fake_torch_npu(monkeypatch, soc)
+    avail = BACKEND.probe(emulate=False)
+    assert avail.ok and not avail.emulated
+    assert soc in avail.reason and "torch_npu 2.11.0.post1" in avail.reason
+
+
+@pytest.mark.parametrize("soc", ["Ascend310P3", "Ascend950PR_9579", "Ascend910ProB", "Mystery1"])
+def test_the_probe_refuses_other_chip_generations_naming_them(monkeypatch, soc):
+    _fake_torch_npu(monkeypatch, soc)
+    avail = BACKEND.probe(emulate=False)
+    assert not avail.ok and soc in avail.reason and "A2, A3" in avail.reason
+
+
+def test_the_probe_names_the_torch_npu_ops_an_old_version_lacks(monkeypatch):
+    _fake_torch_npu(monkeypatch, "Ascend910B3", lacks=("npu_lightning_indexer",))
+    avail = BACKEND.probe(emulate=False)
+    assert not avail.ok and "lacks npu_lightning_indexer" in avail.reason
+
+
+def test_the_probe_reports_no_visible_npu(monkeypatch):
+    _fake_torch_npu(monkeypatch, "Ascend910B3", available=False)
+    avail = BACKEND.probe(emulate=False)
+    assert not avail.ok and "found no NPU" in avail.reason
+
+
+def test_a_torch_npu_that_fails_to_import_is_a_reason_not_a_crash(monkeypatch):
+    monkeypatch.setattr(
+        "importlib.util.find_spec",
+        lambda name, *a: importlib.machinery.ModuleSpec(name, None),
+    )
+
+    def broken(name, *args):
+        raise ImportError("libhccl.so: cannot open shared object file")
+
+    monkeypatch.setattr("importlib.import_module", broken)
+    avail = BACKEND.probe(emulate=False)
+    assert not avail.ok and "libhccl.so" in avail.reason and "set_env.sh" in avail.reason
+
+
+# -- the adapters under emulation ----------------------------------------------------
+
+# The torch_npu op(s) each glmport op's adapter calls (quant_gemm: W8A8 / W4A16).
+NPU_CALLS = {
+    "lightning_indexer": {"npu_lightning_indexer"},
+    "indexer_logits": {"npu_lightning_indexer"},
+    "sparse_attention": {"npu_sparse_flash_attention"},
+    "moe_gate": {"npu_moe_gating_top_k"},
+    "moe_dispatch": {"npu_moe_init_routing_v2"},
+    "moe_combine": {"npu_moe_finalize_routing"},
+    "grouped_gemm": {"npu_grouped_matmul"},
+    "quant_gemm": {"npu_quant_matmul", "npu_weight_quant_batchmatmul"},
+    "rms_norm": {"npu_rms_norm"},
+    "rope": {"npu_rotary_mul"},
+}
+
+
+@pytest.fixture
+def npu_calls(monkeypatch):
+    """Names of the emulated torch_npu ops called, in order."""
+    seen: list[str] = []
+    for name in emulator.OPS:
+        op = getattr(emulator, name)
+
+        def recording(*args, _name=name, _op=op, **kwargs):
+            seen.append(_name)
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(emulator, name, recording)
+    return seen
+
+
+@pytest.fixture
+def fresh_fallback_log(monkeypatch):
+    """Fallback lines are logged once per process; start this test with none logged."""
+    monkeypatch.setattr(selection, "_logged_fallbacks", set())
+
+
+def _inside_limits(op: str) -> list:
+    cap = BACKEND.manifest.capabilities.get(op)
+    return [
+        c
+        for c in all_cases(ops=(op,))
+        if cap is None or cap.refusal(SPECS[op].features(*c.args())) is None
+    ]
+
+
+def test_the_manifest_names_an_npu_op_for_every_declared_op():
+    assert set(NPU_CALLS) == set(ASCEND_OPS)
+    assert set().union(*NPU_CALLS.values()) == set(emulator.OPS) - {
+        "npu_convert_weight_to_int4pack"  # load time only: prepare_weight
+    }
+
+
+@pytest.mark.parametrize("op", ASCEND_OPS)
+def test_every_op_runs_its_adapter_on_the_emulated_torch_npu_op(
+    op, npu_calls, fresh_fallback_log, caplog
+):
+    cases = _inside_limits(op)
+    assert cases, f"no conformance case of {op} inside ascend's limits"
+    with (
+        caplog.at_level(logging.WARNING, logger="glmport"),
+        glmport.use_backend("ascend", emulate=True),
+    ):
+        for case in cases:
+            res = resolve(op)
+            assert res.backend == "ascend" and res.device_type == "cpu"
+            before = len(npu_calls)
+            getattr(glmport.ops, op)(*case.args())
+            called = set(npu_calls[before:])
+            assert called and called <= NPU_CALLS[op], (case.id, called)
+    assert not [r for r in caplog.records if "falling back" in r.getMessage()]
+
+
+def test_an_input_outside_the_chip_limits_falls_back_to_generic_with_one_log_line(
+    npu_calls, fresh_fallback_log, caplog
+):
+    """The indexer op takes head dim 128 only (torch_npu-npu_lightning_indexer.md):
+    a 64-dim indexer runs on the generic backend, logged once, never reaching the op —
+    which would raise for it."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 8, 64, generator=g).bfloat16()
+    k = torch.randn(20, 64, generator=g).bfloat16()
+    w = torch.randn(6, 8, generator=g)
+    start = torch.zeros(6, dtype=torch.int32)
+    end = torch.arange(15, 21, dtype=torch.int32)
+    with pytest.raises(emulator.NpuContractError, match="128"):
+        emulator.npu_lightning_indexer(
+            q, k[:, None], w, actual_seq_lengths_query=torch.tensor([6], dtype=torch.int32),
+            actual_seq_lengths_key=torch.tensor([20], dtype=torch.int32),
+            layout_query="TND", layout_key="TND", sparse_count=4,
+        )  # fmt: skip
+    called_directly = len(npu_calls)
+    with caplog.at_level(logging.WARNING, logger="glmport"):
+        with glmport.use_backend("ascend", emulate=True):
+            got = [glmport.ops.lightning_indexer(q, k, w, start, end, 4) for _ in range(2)]
+        with glmport.use_backend("generic"):
+            want = glmport.ops.lightning_indexer(q, k, w, start, end, 4)
+    lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert lines == [
+        "glmport: backend 'ascend' cannot take head_dim 64 (it takes 128) in "
+        "'lightning_indexer'; falling back to 'generic'"
+    ]
+    assert npu_calls[called_directly:] == []
+    for indices, scores in got:
+        assert torch.equal(indices, want[0]) and torch.equal(scores, want[1])
+
+
+def test_info_shows_ascend_serving_its_ops_in_emulation(capsys):
+    assert main(["info", "--backend", "ascend", "--emulate", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["emulate"] and info["selected_backend"] == "ascend"
+    served = {op: row["backend"] for op, row in info["ops"].items() if op in SPECS}
+    assert {op for op, b in served.items() if b == "ascend"} == set(ASCEND_OPS)
+    assert {op for op, b in served.items() if b != "ascend"} == {"quantize", "token_logprobs"}
+    ascend = next(b for b in info["backends"] if b["name"] == "ascend")
+    assert ascend["available"] and ascend["emulated"] and "emulator" in ascend["reason"]
+    assert "not verified on Ascend hardware" in ascend["verified"]
+
+
+# -- the tiny GLM-5 end to end -------------------------------------------------------
+
+
+def test_tiny_glm5_with_glm5_head_dims_generates_like_the_cpu_backend(npu_calls):
+    """bf16, GLM-5's per-head dims (absorbed attention 512 + 64, indexer 128): prefill
+    and cached decode, where the absorbed attention runs npu_sparse_flash_attention."""
+    from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from glmport.model.generation import generate
+
+    config = GlmMoeDsaConfig.tiny(
+        kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128, index_n_heads=16
+    )
+    model = GlmMoeDsaForCausalLM.from_config(config, seed=0)
+    with torch.no_grad():  # peaked logits and real index selections (tests/test_model_*)
+        for p in model.parameters():
+            p.mul_(4.0)
+    model = model.bfloat16().eval()
+    prompts = [[5, 17, 33, 2, 90, 11, 7], [42]]
+    with torch.no_grad():
+        with glmport.use_backend("cpu"):
+            want = generate(model, prompts, 4, block_size=4).output_ids
+        with glmport.use_backend("ascend", emulate=True):
+            got = generate(model, prompts, 4, block_size=4).output_ids
+    assert got == want
+    assert set(npu_calls) >= {
+        "npu_sparse_flash_attention", "npu_lightning_indexer", "npu_moe_gating_top_k",
+        "npu_moe_init_routing_v2", "npu_moe_finalize_routing", "npu_grouped_matmul",
+        "npu_rms_norm", "npu_rotary_mul",
+    }  # fmt: skip
