@@ -68,7 +68,12 @@ def _model(dtype: torch.dtype, experts: str, dense: str):
     from glmport.model.quantize import quantize_model
 
     config = GlmMoeDsaConfig.tiny(
-        index_n_heads=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2
+        index_n_heads=16,
+        index_head_dim=128,  # GLM-5's, the indexer head dim vendor ops are built for
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
     )
     model = GlmMoeDsaForCausalLM.from_config(config, seed=0)
     with torch.no_grad():  # std 0.16 instead of 0.02: peaked distributions, real mismatch
