@@ -32,10 +32,7 @@ to work before a GPU sees it, its timings mean nothing and no floor is judged.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -52,11 +49,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(HERE))  # its helpers
 
-from common import RESULTS, environment, markdown_table, table  # noqa: E402
+import common  # noqa: E402
+from common import Glm5Sizes, environment, markdown_table, randn, table  # noqa: E402
 
 import glmport  # noqa: E402
-from glmport.core.formats import quantize_tensor  # noqa: E402
-from glmport.core.tolerance import Tolerance, compare  # noqa: E402
+from glmport.core.tolerance import Tolerance  # noqa: E402
 
 SECTIONS = ("decode", "prefill", "indexer", "gemm", "ops")
 # Peak HBM bandwidth (TB/s) and dense bf16 / fp8 tensor TFLOPS, by device name.
@@ -71,50 +68,15 @@ FLOORS = {"decode_hbm_fraction": 0.5, "grouped_vs_matmul": 0.7, "fp8_vs_bf16_mat
 
 
 @dataclass(frozen=True)
-class Sizes:
-    heads: int = 64
-    dk: int = 576
-    dv: int = 512
-    topk: int = 2048
-    decode_batches: tuple[int, ...] = (64, 128)
-    contexts: tuple[int, ...] = (8192, 32768, 65536)
-    prefill_tokens: int = 4096
-    prefill_keys: int = 8192
-    index_heads: int = 32
-    index_dim: int = 128
-    index_queries: tuple[tuple[int, int], ...] = ((128, 65536), (2048, 16384))
-    experts: int = 256
-    top_k: int = 8
-    tokens: int = 4096
-    hidden: int = 6144
-    expert_width: int = 2048
-    dense_out: int = 12288
+class Sizes(Glm5Sizes):
+    """GLM-5's shapes, and ``token_logprobs``' vocabulary and token count."""
+
     vocab: int = 154880
     logprob_tokens: int = 2048
 
 
 GPU_SIZES = Sizes()
-SMOKE_SIZES = Sizes(
-    heads=16,
-    dk=576,
-    dv=512,
-    topk=64,
-    decode_batches=(2,),
-    contexts=(256,),
-    prefill_tokens=8,
-    prefill_keys=256,
-    index_heads=8,
-    index_dim=64,
-    index_queries=((2, 512),),
-    experts=8,
-    top_k=2,
-    tokens=32,
-    hidden=256,
-    expert_width=128,
-    dense_out=256,
-    vocab=1000,
-    logprob_tokens=8,
-)
+SMOKE_SIZES = Sizes.smoke(index_dim=64, vocab=1000, logprob_tokens=8)
 
 
 class Bench:
@@ -153,10 +115,10 @@ class Bench:
         *,
         flops: float = 0.0,
         bytes_moved: float = 0.0,
-        error_of: Callable[[object, object], float] | None = None,
+        view: Callable[[object], object] = common.whole,
     ) -> dict:
         """One row: ``run`` on cuda and on generic (same inputs), timed, and the
-        error of cuda's output against generic's."""
+        error of cuda's output against generic's (of ``view`` of each)."""
         with self.on("cuda"):
             out = run()
             med, lo, hi = self.time_ms(run)
@@ -171,7 +133,7 @@ class Bench:
             "cuda_p80_ms": hi,
             "generic_ms": base,
             "speedup_vs_generic": base / med if med else math.inf,
-            "error_vs_generic": (error_of or rel_error)(out, ref),
+            "error_vs_generic": rel_error(view(out), view(ref)),
         }
         if flops:
             row["tflops"] = flops / (med * 1e-3) / 1e12
@@ -203,132 +165,58 @@ class Bench:
         return row
 
 
-def _tensors(out) -> tuple:
-    return out if isinstance(out, tuple) else (out,)
-
-
 def rel_error(out, ref) -> float:
     """Worst max|out - ref| / max|ref| over the floating outputs, as the shadow checker
     and the suite measure it (inf / nan entries must agree; NaN gives NaN); integer
     outputs must match exactly (inf when they do not)."""
-    worst = 0.0
-    for o, r in zip(_tensors(out), _tensors(ref), strict=True):
-        if not o.is_floating_point():
-            if not torch.equal(o, r):
-                return math.inf
-            continue
-        err = compare(o, r, Tolerance(0.0, 0.0)).max_rel
-        if math.isnan(err):
-            return err
-        worst = max(worst, err)
-    return worst
-
-
-def indexer_error(out, ref) -> float:
-    """Top-k outputs differ legitimately at near-ties: compare the selected scores."""
-    return rel_error(out[1], ref[1])
-
-
-def gate_error(out, ref) -> float:
-    """Router weights, sorted per token (ties may swap equal experts)."""
-    return rel_error(out[0].sort(dim=1).values, ref[0].sort(dim=1).values)
-
-
-def _randn(*shape, dtype=torch.bfloat16, device, scale=1.0, seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
-
-
-def _random_slots(rows: int, topk: int, lo, width: int, device, seed=1) -> torch.Tensor:
-    """``[rows, topk]`` int32 slot ids, row ``i`` drawn from ``[lo[i], lo[i] + width)``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    r = torch.randint(0, width, (rows, topk), generator=gen, device=device)
-    return (r + lo[:, None]).to(torch.int32)
-
-
-def attention_flops(t: int, s: Sizes) -> float:
-    return 2.0 * t * s.heads * s.topk * (s.dk + s.dv)
+    return common.agreement_within(out, ref, Tolerance(0.0, 0.0)).max_rel
 
 
 def decode(b: Bench, s: Sizes) -> None:
     for batch in s.decode_batches:
         for n in s.contexts:
-            dev = b.device
-            kv = _randn(batch * n, 1, s.dk, device=dev, seed=n)
-            q = _randn(batch, s.heads, s.dk, device=dev, seed=batch)
-            starts = torch.arange(batch, device=dev) * n
-            idx = _random_slots(batch, s.topk, starts, n, dev)
-            elem = kv.element_size()
+            args = s.decode_inputs(batch, n, b.device)
+            elem = args[1].element_size()
             moved = batch * s.topk * (s.dk * elem + 4) + batch * s.heads * (
                 (s.dk + s.dv) * elem + 4
             )
-
-            def run(q=q, kv=kv, idx=idx):
-                return glmport.ops.sparse_attention(q, kv, kv[..., : s.dv], idx, s.dk**-0.5)
-
             b.compare(
                 "decode",
                 f"B={batch} N={n} H={s.heads} topk={s.topk}",
-                run,
-                flops=attention_flops(batch, s),
+                lambda args=args: glmport.ops.sparse_attention(*args),
+                flops=s.attention_flops(batch),
                 bytes_moved=moved,
             )
-            del kv
+            del args
 
 
 def prefill(b: Bench, s: Sizes) -> None:
-    dev, t, n = b.device, s.prefill_tokens, s.prefill_keys
-    kv = _randn(n, 1, s.dk, device=dev, seed=3)
-    q = _randn(t, s.heads, s.dk, device=dev, seed=4)
-    # Causal: query i (the last t of n) picks topk of its earlier slots (-1 when fewer).
-    ends = torch.arange(n - t + 1, n + 1, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(5)
-    idx = (torch.rand(t, s.topk, generator=gen, device=dev) * ends[:, None]).long().to(torch.int32)
-
-    def run():
-        return glmport.ops.sparse_attention(q, kv, kv[..., : s.dv], idx, s.dk**-0.5)
-
-    b.compare("prefill", f"T={t} N={n} H={s.heads} topk={s.topk}", run, flops=attention_flops(t, s))
+    t, n, args = s.prefill_tokens, s.prefill_keys, s.prefill_inputs(b.device)
+    b.compare(
+        "prefill",
+        f"T={t} N={n} H={s.heads} topk={s.topk}",
+        lambda: glmport.ops.sparse_attention(*args),
+        flops=s.attention_flops(t),
+    )
 
 
 def indexer(b: Bench, s: Sizes) -> None:
-    dev = b.device
     for t, n in s.index_queries:
-        q = _randn(t, s.index_heads, s.index_dim, device=dev, seed=6)
-        k = _randn(n, s.index_dim, device=dev, seed=7)
-        w = _randn(t, s.index_heads, device=dev, dtype=torch.float32, seed=8)
-        w = w * (s.index_heads * s.index_dim) ** -0.5
-        end = torch.arange(n - t + 1, n + 1, device=dev, dtype=torch.int32)
-        start = torch.zeros(t, device=dev, dtype=torch.int32)
-        flops = 2.0 * float(end.double().sum()) * s.index_heads * s.index_dim
-
-        def run(q=q, k=k, w=w, start=start, end=end):
-            return glmport.ops.lightning_indexer(q, k, w, start, end, s.topk)
-
+        args = s.indexer_inputs(t, n, b.device)
         b.compare(
             "indexer",
             f"T={t} N={n} Hi={s.index_heads} topk={s.topk}",
-            run,
-            flops=flops,
-            error_of=indexer_error,
+            lambda args=args: glmport.ops.lightning_indexer(*args, s.topk),
+            flops=s.indexer_flops(args[4]),
+            view=common.index_scores,
         )
-
-
-def _routing(s: Sizes, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """Balanced-ish routing: ``[T, k]`` distinct experts per token and the offsets."""
-    gen = torch.Generator(device=dev).manual_seed(9)
-    ids = torch.rand(s.tokens, s.experts, generator=gen, device=dev).topk(s.top_k).indices
-    counts = torch.bincount(ids.flatten(), minlength=s.experts)
-    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
-    return ids.to(torch.int32), offsets
 
 
 def gemm(b: Bench, s: Sizes) -> None:
     dev = b.device
-    _, offsets = _routing(s, dev)
-    m, n, k = s.tokens * s.top_k, 2 * s.expert_width, s.hidden
-    x = _randn(m, k, device=dev, seed=10)
-    w = _randn(s.experts, n, k, device=dev, seed=11, scale=k**-0.5)
+    _, offsets = s.routing(dev)
+    x, w = s.grouped_gemm_inputs(dev)
+    (m, k), n = x.shape, w.shape[1]
     flops = 2.0 * m * n * k
     grouped = b.compare(
         "gemm",
@@ -336,15 +224,14 @@ def gemm(b: Bench, s: Sizes) -> None:
         lambda: glmport.ops.grouped_gemm(x, w, offsets),
         flops=flops,
     )
-    wd = _randn(k, n, device=dev, seed=12, scale=k**-0.5)
+    wd = randn(k, n, device=dev, seed=12, scale=k**-0.5)
     matmul = b.baseline("gemm", f"torch.matmul bf16 {m}x{k} @ {k}x{n}", lambda: x @ wd, flops)
     grouped["vs_bf16_matmul"] = matmul["baseline_ms"] / grouped["cuda_ms"]
 
     m2, n2, k2 = s.tokens, s.dense_out, s.hidden
-    x2 = _randn(m2, k2, device=dev, seed=13)
-    w2 = _randn(n2, k2, device=dev, dtype=torch.float32, seed=14, scale=k2**-0.5)
-    wq, ws = quantize_tensor(w2.cpu(), "fp8_block", 128)
-    wq, ws = wq.to(dev), ws.to(dev)
+    x2 = randn(m2, k2, device=dev, seed=13)
+    w2 = s.dense_weight(dev, seed=14)
+    wq, ws = common.quantized(w2, "fp8_block", dev)
     flops2 = 2.0 * m2 * n2 * k2
     fp8 = b.compare(
         "gemm",
@@ -370,43 +257,36 @@ def gemm(b: Bench, s: Sizes) -> None:
 
 def ops(b: Bench, s: Sizes) -> None:
     dev, t, d = b.device, s.tokens, s.hidden
-    x = _randn(t, d, device=dev, seed=15)
-    weight = _randn(d, device=dev, seed=16, scale=0.1) + 1
+    x, weight = s.hidden_states(dev), s.norm_weight(dev)
     b.compare("ops", f"rms_norm [{t}, {d}] bf16", lambda: glmport.ops.rms_norm(x, weight, 1e-6))
-    xr = _randn(t, s.heads, 64, device=dev, seed=17)
+    xr = randn(t, s.heads, 64, device=dev, seed=17)
     ang = torch.arange(t, device=dev)[:, None] * torch.rand(32, device=dev)[None]
     cos, sin = ang.cos(), ang.sin()
     b.compare(
         "ops", f"rope [{t}, {s.heads}, 64] bf16", lambda: glmport.ops.rope(xr, cos, sin, True)
     )
-    logits = _randn(t, s.experts, device=dev, dtype=torch.float32, seed=18)
-    bias = _randn(s.experts, device=dev, dtype=torch.float32, seed=19, scale=0.1)
+    gate = s.gate_args(dev)
     b.compare(
         "ops",
         f"moe_gate [{t}, {s.experts}] top-{s.top_k}",
-        lambda: glmport.ops.moe_gate(logits, bias, s.top_k, 1, 1, 2.5, True, "sigmoid"),
-        error_of=gate_error,
+        lambda: glmport.ops.moe_gate(*gate),
+        view=common.router_weights,
     )
-    ids, _ = _routing(s, dev)
+    ids, _ = s.routing(dev)
     b.compare(
         "ops",
         f"moe_dispatch [{t}, {d}] k={s.top_k}",
         lambda: glmport.ops.moe_dispatch(x, ids, s.experts),
     )
-    with b.on("generic"):
-        _, _, src_row = glmport.ops.moe_dispatch(x, ids, s.experts)
-    y = _randn(t * s.top_k, d, device=dev, seed=20)
-    wts = torch.rand(t, s.top_k, device=dev)
-    b.compare(
-        "ops", f"moe_combine [{t * s.top_k}, {d}]", lambda: glmport.ops.moe_combine(y, src_row, wts)
-    )
+    combine = s.combine_inputs(x, ids, dev)
+    b.compare("ops", f"moe_combine [{t * s.top_k}, {d}]", lambda: glmport.ops.moe_combine(*combine))
     for fmt in ("int8_row", "fp8_group"):
         b.compare(
             "ops", f"quantize {fmt} [{t}, {d}]", lambda fmt=fmt: glmport.ops.quantize(x, fmt, 128)
         )
-    w = _randn(s.dense_out, d, device=dev, dtype=torch.float32, seed=21, scale=d**-0.5).cpu()
+    w = s.dense_weight(dev, seed=21)
     for scheme, fmt in (("w8a8", "int8_row"), ("w4a8", "int4_group"), ("w4a16", "int4_group")):
-        wq, ws = (a.to(dev) for a in quantize_tensor(w, fmt, 128))
+        wq, ws = common.quantized(w, fmt, dev)
         b.compare(
             "ops",
             f"quant_gemm {scheme} M={t} N={s.dense_out} K={d}",
@@ -414,8 +294,8 @@ def ops(b: Bench, s: Sizes) -> None:
             flops=2.0 * t * s.dense_out * d,
         )
     tl_ = s.logprob_tokens
-    hidden = _randn(tl_, d, device=dev, seed=22)
-    head = _randn(s.vocab, d, device=dev, seed=23, scale=d**-0.5)
+    hidden = randn(tl_, d, device=dev, seed=22)
+    head = randn(s.vocab, d, device=dev, seed=23, scale=d**-0.5)
     targets = torch.randint(0, s.vocab, (tl_,), device=dev)
     b.compare(
         "ops",
@@ -520,44 +400,27 @@ def render(b: Bench, judged: list[dict], markdown: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes through the Triton interpreter on the CPU"
+    parser, args = common.bench_args(
+        __doc__,
+        SECTIONS,
+        "cuda",
+        "tiny shapes through the Triton interpreter on the CPU",
+        argv,
     )
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON path (default bench/results/cuda.json; smoke: cuda-smoke.json)",
-    )
-    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    args = parser.parse_args(argv)
-    sections = [x.strip() for x in args.only.split(",") if x.strip()]
-    unknown = sorted(set(sections) - set(SECTIONS))
-    if unknown:
-        parser.error(f"unknown sections {unknown}; sections are {', '.join(SECTIONS)}")
     if args.smoke:
         device, sizes, emulate = torch.device("cpu"), SMOKE_SIZES, True
     elif torch.cuda.is_available():
         device, sizes, emulate = torch.device("cuda"), GPU_SIZES, False
     else:
         parser.error("no CUDA / ROCm device: run with --smoke for the interpreter run")
-    # Production validation (no value checks, no host syncs) for both backends alike.
-    os.environ["GLMPORT_VALIDATE"] = "meta"
     bench = Bench(device, args.smoke, emulate)
     print(
         f"cuda backend vs generic on {bench.device_name}"
         f"{' (smoke: Triton interpreter, timings meaningless)' if args.smoke else ''}"
     )
-    with torch.no_grad():
-        for name in sections:
-            print(f"[{name}]", flush=True)
-            RUNNERS[name](bench, sizes)
+    common.run_sections(bench, RUNNERS, args.only, sizes)
     judged = [] if args.smoke else floors(bench)
     print(render(bench, judged, args.markdown))
-    out = args.out or RESULTS / ("cuda-smoke.json" if args.smoke else "cuda.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "environment": {
             **environment(),
@@ -569,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": bench.rows,
         "floors": judged,
     }
-    out.write_text(json.dumps(payload, indent=2, default=str))
-    print(f"wrote {out}")
+    common.save(args.out, payload)
     errors = [r for r in bench.rows if not r.get("error_vs_generic", 0.0) <= 5e-2]  # NaN too
     if errors:
         print("kernels disagreeing with generic: " + ", ".join(r["name"] for r in errors))

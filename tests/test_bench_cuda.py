@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cuda.py"
 
@@ -63,3 +66,15 @@ def test_floors_flag_each_miss(monkeypatch):
         "grouped GEMM vs bf16 matmul": True,
         "FP8-block GEMM vs bf16 matmul": False,
     }
+
+
+def test_error_is_the_worst_relative_error_and_integers_match_exactly(monkeypatch):
+    bench = _bench_module(monkeypatch)
+    ref = torch.linspace(-1, 1, 64)
+    assert bench.rel_error(ref.clone(), ref) == 0.0
+    assert math.isclose(bench.rel_error((ref, ref * 1.01), (ref, ref)), 0.01, rel_tol=1e-3)
+    nan = ref.clone()
+    nan[3] = math.nan
+    assert math.isnan(bench.rel_error((ref, nan), (ref, ref)))
+    ids = torch.arange(4, dtype=torch.int32)
+    assert bench.rel_error((ref, ids.flip(0)), (ref, ids)) == math.inf
