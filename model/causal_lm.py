@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -14,10 +15,44 @@ from glmport.core.errors import ConfigError
 
 from .config import GlmMoeDsaConfig
 from .modeling import CausalLMOutput, Experts, GlmMoeDsaModel, Router, pack
-from .weights import fuse_experts, read_tensors, save_tensors, split_experts
+from .weights import atomic_folder, fuse_experts, read_tensors, save_tensors, split_experts
 
 log = logging.getLogger("glmport.model")
 IGNORE_INDEX = -100
+_CHECKPOINT_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Elements checked for finiteness at a time: bounds the temporary mask's memory.
+_FINITE_CHUNK = 1 << 24
+
+
+def _check_tensor(key: str, value: object, own: torch.Tensor) -> None:
+    """Refuse a checkpoint value that cannot replace the parameter or buffer ``own``."""
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError(f"checkpoint tensor {key} is a {type(value).__name__}, not a tensor")
+    if value.layout != torch.strided or value.device.type == "meta":
+        raise ConfigError(
+            f"checkpoint tensor {key} must be a dense tensor with data, got layout "
+            f"{value.layout} on {value.device}"
+        )
+    if tuple(value.shape) != tuple(own.shape):
+        raise ConfigError(
+            f"checkpoint tensor {key} has shape {list(value.shape)}, expected {list(own.shape)}"
+        )
+    if own.is_floating_point():
+        if value.dtype not in _CHECKPOINT_FLOATS:
+            raise ConfigError(
+                f"checkpoint tensor {key} has dtype {value.dtype}, expected one of "
+                "float16, bfloat16, float32, float64"
+            )
+        flat = value.detach().reshape(-1)
+        for chunk in flat.split(_FINITE_CHUNK):
+            if not bool(torch.isfinite(chunk).all()):
+                bad = int((~torch.isfinite(flat)).sum())
+                raise ConfigError(
+                    f"checkpoint tensor {key} holds {bad} NaN or Inf values; a non-finite "
+                    "weight would make every output NaN"
+                )
+    elif value.dtype != own.dtype:
+        raise ConfigError(f"checkpoint tensor {key} has dtype {value.dtype}, expected {own.dtype}")
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
@@ -83,9 +118,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
     ) -> GlmMoeDsaForCausalLM:
         """Load a folder with ``config.json`` and HF safetensors (sharded or not).
 
-        A checkpoint without MTP tensors (as transformers saves them) loads with
-        ``num_nextn_predict_layers = 0``; any other missing or unexpected tensor is an
-        error naming it.
+        The config is validated first, then every shard's header against the index
+        (:func:`~glmport.model.weights.checkpoint_plan`), then every tensor
+        (:meth:`load_hf_state_dict`); any failure is a :class:`ConfigError` naming the
+        file or tensor, raised before a weight is used. A checkpoint without MTP
+        tensors (as transformers saves them) loads with ``num_nextn_predict_layers =
+        0``; any other missing or unexpected tensor is an error naming it.
         """
         path = Path(path)
         config = GlmMoeDsaConfig.from_json_file(path / "config.json")
@@ -100,35 +138,48 @@ class GlmMoeDsaForCausalLM(nn.Module):
         return model.to(device=device, dtype=dtype) if dtype else model.to(device=device)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load fused-expert HF keys (:func:`fuse_experts` output), strictly."""
+        """Load fused-expert HF keys (:func:`fuse_experts` output), strictly and all or
+        nothing: every name, type, shape, dtype and value is checked before any
+        parameter is replaced, so a :class:`ConfigError` leaves the model unchanged.
+
+        Each value must be a dense tensor holding data (not ``meta``) of the
+        parameter's shape; floating parameters take float16, bfloat16, float32 or
+        float64 tensors (the tensor's dtype is kept) with only finite values (one NaN
+        or Inf weight would poison every output); other buffers take their own dtype.
+        """
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"state must be a mapping of name -> tensor, got {type(state)}")
         own = self.state_dict()
         missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
+        unexpected = sorted(map(str, set(state) - set(own)))
         if missing or unexpected:
             raise ConfigError(
                 f"checkpoint does not match the config: missing {missing[:6]}"
                 f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
                 f"{'...' if len(unexpected) > 6 else ''}"
             )
-        for key, value in state.items():
-            if tuple(value.shape) != tuple(own[key].shape):
-                raise ConfigError(
-                    f"checkpoint tensor {key} has shape {list(value.shape)}, "
-                    f"expected {list(own[key].shape)}"
-                )
+        for key in sorted(state):
+            _check_tensor(key, state[key], own[key])
         self.load_state_dict(state, assign=True)
 
     def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 << 30) -> None:
-        """Write ``config.json`` and HF-named safetensors (per-expert keys)."""
+        """Write ``config.json`` and HF-named safetensors (per-expert keys), atomically.
+
+        Everything is written into a temporary folder next to ``path`` and renamed into
+        place (:func:`~glmport.model.weights.atomic_folder`): a failed save leaves an
+        earlier checkpoint at ``path`` intact and no temporary folder; a successful one
+        leaves no shard or index of an earlier save (other files there are kept).
+        Only safetensors and JSON are written, never a pickle.
+        """
         if any(name.endswith("_q") for name, _ in self.named_buffers()):
             raise ConfigError(
                 "save_pretrained writes float weights; this model holds packed quantised "
                 "weights (glmport.model.quantize): save the float model"
             )
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.config.to_json_file(path / "config.json")
-        save_tensors(split_experts(self.state_dict()), path, max_shard_bytes)
+        state = split_experts(self.state_dict())
+        with atomic_folder(path) as tmp:
+            self.config.to_json_file(tmp / "config.json")
+            save_tensors(state, tmp, max_shard_bytes)
 
     # -- counting --------------------------------------------------------------------
 
