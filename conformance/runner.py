@@ -45,6 +45,7 @@ from glmport.core.selection import (
     composite_owner,
     current_settings,
     resolve,
+    selected_device,
     use_backend,
 )
 from glmport.core.specs import OP_NAMES, SPECS
@@ -170,7 +171,7 @@ def device_for(device_type: str) -> torch.device:
     """Where inputs go for kernels of ``device_type``: device-neutral code takes
     ``GLMPORT_DEVICE`` (else the CPU)."""
     if device_type == ANY_DEVICE:
-        return torch.device(current_settings().device or "cpu")
+        return selected_device()  # a ConfigError if GLMPORT_DEVICE names no device here
     return torch.device(device_type)
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, UnsupportedError
-from .selection import current_settings, resolve
+from .selection import current_settings, resolve, selected_device
 from .validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
 
 COMPONENT = "expert_parallel"
@@ -182,7 +182,7 @@ def expert_parallel(
     ``num_experts`` does not split evenly over the group.
     """
     settings = current_settings()
-    device_type = torch.device(device or settings.device or "cpu").type
+    device_type = torch.device(device).type if device else selected_device(settings).type
     res = resolve(COMPONENT, settings, device_type=device_type)
     if not res.candidates[0].takes(device_type):
         raise UnsupportedError(

@@ -1,7 +1,8 @@
 """Which backend runs each op: environment variables, an in-code context manager,
 per-op overrides, ``auto`` (which follows the inputs' device) and the fallback chain.
 
-Environment (read on use, never at import; a change takes effect on the next call):
+Environment (read on use, never at import; a change takes effect on the next call),
+parsed and checked by :mod:`.environment`, which lists what each variable accepts:
 
 ``GLMPORT_BACKEND``   a backend name | auto (default auto)
 ``GLMPORT_DEVICE``    the torch device for device-neutral code (``cuda:0``, ``npu:0``...)
@@ -10,6 +11,11 @@ Environment (read on use, never at import; a change takes effect on the next cal
 ``GLMPORT_SHADOW``    a backend to shadow-check live calls against (the reference)
 ``GLMPORT_SHADOW_CALLS``  how many calls per op the shadow checks (default 8)
 ``GLMPORT_VALIDATE``  full (default) | meta: skip checks that read tensor values
+``GLMPORT_TILE_MB``   the generic backend's tile budget (read and checked there)
+
+A ``use_backend`` block lives in a context variable: it follows work into
+``asyncio.to_thread`` (which copies the context) but not into
+``loop.run_in_executor`` or a plain thread pool (see ``docs/backends.md``, "Selecting").
 
 Settings and resolutions are cached: a call reads seven environment entries (one
 dict lookup each) and the active ``use_backend`` blocks, and finds its resolution in
@@ -27,6 +33,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import environment
+from .environment import parse_op_overrides
 from .errors import BackendUnavailableError, ConfigError, UnknownBackendError
 from .registry import (
     ANY_DEVICE,
@@ -40,13 +48,10 @@ from .registry import (
     chain_for,
     torch_code,
 )
-from .specs import INTERFACE_NAMES
 
 log = logging.getLogger("glmport")
 
 AUTO = "auto"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -67,46 +72,16 @@ class Settings:
         return dict(self.ops).get(op)
 
 
-def _parse_bool(var: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{var}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
-
-
-def parse_op_overrides(raw: str, source: str = "GLMPORT_OPS") -> tuple[tuple[str, str], ...]:
-    """Parse ``"op=backend,op=backend"``; unknown ops or malformed entries are errors."""
-    pairs = []
-    for entry in filter(None, (e.strip() for e in raw.split(","))):
-        op, sep, backend = (p.strip() for p in entry.partition("="))
-        if not sep or not op or not backend:
-            raise ConfigError(f"{source}: malformed entry {entry!r}; expected op=backend")
-        if op not in INTERFACE_NAMES:
-            raise ConfigError(f"{source}: unknown op {op!r}; ops are {', '.join(INTERFACE_NAMES)}")
-        pairs.append((op, backend))
-    return tuple(pairs)
-
-
 def _parse_device(raw: str, var: str = "GLMPORT_DEVICE") -> str:
     try:
         return str(torch.device(raw.strip()))
-    except (RuntimeError, ValueError) as err:
+    except (RuntimeError, ValueError, TypeError) as err:
         raise ConfigError(f"{var}={raw!r} is not a torch device ({err})") from err
 
 
-_ENV_VARS = (
-    "GLMPORT_BACKEND",
-    "GLMPORT_DEVICE",
-    "GLMPORT_EMULATE",
-    "GLMPORT_OPS",
-    "GLMPORT_SHADOW",
-    "GLMPORT_SHADOW_CALLS",
-    "GLMPORT_VALIDATE",
-    "GLMPORT_TILE_MB",
-)
-_SELECTION_VARS = _ENV_VARS[:-1]  # the tile budget is read by the generic backend itself
+_ENV_VARS = tuple(environment.VARIABLES)
+# The tile budget is read (and checked) by the generic backend when it first tiles.
+_SELECTION_VARS = tuple(v for v in _ENV_VARS if v != "GLMPORT_TILE_MB")
 
 # os.environ.get() re-encodes its key on every read (~2 us for seven reads on a small
 # CPU); the mapping it keeps, keyed by encoded names, is read directly instead.
@@ -124,26 +99,28 @@ else:  # another Python: the public, slower reads
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
-    """Parse the ``GLMPORT_*`` variables; :class:`ConfigError` names a malformed one."""
-    env = os.environ if environ is None else environ
-    backend = (env.get("GLMPORT_BACKEND") or AUTO).strip() or AUTO
-    device = env.get("GLMPORT_DEVICE")
-    shadow = (env.get("GLMPORT_SHADOW") or "").strip() or None
-    calls_raw = env.get("GLMPORT_SHADOW_CALLS", "8").strip()
-    if not calls_raw.isdigit():
-        raise ConfigError(f"GLMPORT_SHADOW_CALLS={calls_raw!r}: expected a non-negative integer")
-    validate = (env.get("GLMPORT_VALIDATE") or "full").strip().lower()
-    if validate not in ("full", "meta"):
-        raise ConfigError(f"GLMPORT_VALIDATE={validate!r}: expected 'full' or 'meta'")
+    """Parse the selection's ``GLMPORT_*`` variables through :mod:`.environment`;
+    :class:`ConfigError` names a malformed one, its value and what is accepted."""
+    env = {name: environment.read(name, environ) for name in _SELECTION_VARS}
     return Settings(
-        backend=backend,
-        device=_parse_device(device) if device and device.strip() else None,
-        emulate=_parse_bool("GLMPORT_EMULATE", env.get("GLMPORT_EMULATE", "")),
-        ops=parse_op_overrides(env.get("GLMPORT_OPS", "")),
-        shadow=shadow,
-        shadow_calls=int(calls_raw),
-        validate_values=validate == "full",
+        backend=env["GLMPORT_BACKEND"],
+        device=env["GLMPORT_DEVICE"],
+        emulate=env["GLMPORT_EMULATE"],
+        ops=env["GLMPORT_OPS"],
+        shadow=env["GLMPORT_SHADOW"],
+        shadow_calls=env["GLMPORT_SHADOW_CALLS"],
+        validate_values=env["GLMPORT_VALIDATE"] == "full",
     )
+
+
+def selected_device(settings: Settings | None = None) -> torch.device:
+    """The device device-neutral code puts tensors on: ``GLMPORT_DEVICE`` /
+    ``use_backend(device=...)``, checked to exist here (:class:`ConfigError` if not),
+    else the CPU. Auto-selection only needs the device's type and does not check."""
+    settings = settings or current_settings()
+    if settings.device is None:
+        return torch.device("cpu")
+    return environment.require_device(settings.device, "GLMPORT_DEVICE / use_backend(device=...)")
 
 
 # Each use_backend block adds one layer: a tuple of (field, value) pairs.
@@ -165,6 +142,12 @@ def current_settings() -> Settings:
             if "ops" in changes:
                 changes["ops"] = (*settings.ops, *changes["ops"])
             settings = replace(settings, **changes)
+        if settings.shadow is not None and settings.shadow not in (names := REGISTRY.names()):
+            # A misspelt shadow would otherwise check nothing, call after call. Only the
+            # name is checked: an installed but unavailable one is logged by the checker.
+            raise UnknownBackendError(
+                settings.shadow, names, "GLMPORT_SHADOW / use_backend(shadow=...)"
+            )
         if len(_settings_cache) >= _MAX_CACHED:
             _settings_cache.clear()
         _settings_cache[key] = settings

@@ -1,5 +1,14 @@
 """The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``,
-``glmport generate``."""
+``glmport generate``.
+
+Bad input never ends in a traceback: a malformed argument, ``GLMPORT_*`` variable,
+checkpoint or selection is one line on stderr, ``glmport: error: ...``, and exit
+status 2. What counts as bad input: every :class:`~glmport.GlmportError` (glmport
+raises those on purpose, after checking what it was given), argparse's own errors,
+and an ``OSError`` on a path the user named (a missing, unreadable or unwritable file).
+Anything else (a ``RuntimeError`` from inside torch, a ``TypeError``...) is a bug in
+glmport or a backend and keeps its traceback, so it can be reported.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +17,56 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from glmport.core import environment
 from glmport.core.environment import versions
 from glmport.core.errors import ConfigError, GlmportError
 
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130  # the shell's convention for a SIGINT
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one ``glmport: error:`` line (argparse's
+    message, naming the argument), not a usage block; it still exits with status 2
+    (SystemExit) as argparse does."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(f"{message} (see '{self.prog} --help')")
+        self.exit(EXIT_CONFIG)
+
+
+def _seed(text: str) -> int:
+    """A sampling seed: an integer torch's generators take, -2**63 to 2**64 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -(1 << 63) <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from -2**63 to 2**64-1 (64 bits), got {text}"
+        )
+    return value
+
+
+def _workers(text: str) -> str:
+    """pytest-xdist's -n: auto, logical, or a whole number of workers (0: none)."""
+    if text in ("auto", "logical") or (text.isascii() and text.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"expected auto, logical or a whole number of workers (0: none), got {text!r}"
+    )
+
+
+def _check_environment() -> None:
+    """Parse every ``GLMPORT_*`` variable (the tile budget too, which the library reads
+    only when the generic backend tiles) and check that ``GLMPORT_DEVICE`` exists here,
+    so a malformed one fails before any work (ConfigError naming it)."""
+    from glmport.core.selection import current_settings, selected_device
+
+    environment.read_all()
+    selected_device(current_settings())
 
 
 def collect_info(backend: str | None = None, emulate: bool = False) -> dict:
@@ -31,10 +85,17 @@ def _collect_info() -> dict:
 
     import glmport
     from glmport.core.registry import REGISTRY, chain_for
-    from glmport.core.selection import _ENV_VARS, current_settings, primary_backend, resolve
+    from glmport.core.selection import (
+        current_settings,
+        primary_backend,
+        resolve,
+        selected_device,
+    )
     from glmport.core.specs import INTERFACE_NAMES
 
+    environment.read_all()  # the tile budget too, though no op runs here
     settings = current_settings()
+    selected_device(settings)  # GLMPORT_DEVICE names a device present here
     primary = primary_backend(settings)
     backends = []
     for name in REGISTRY.names():
@@ -76,7 +137,7 @@ def _collect_info() -> dict:
     return {
         "glmport": glmport.__version__,
         "versions": versions(),
-        "environment": {var: os.environ.get(var) for var in _ENV_VARS},
+        "environment": {var: os.environ.get(var) for var in environment.VARIABLES},
         "selected_backend": primary,
         "device": settings.device or ("cpu" if primary == "cpu" else None),
         "emulate": settings.emulate,
@@ -170,12 +231,9 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     # Registered here to check them and name the default backend; the suite's plug-in
     # registers them again in every pytest-xdist worker.
     plugins = [register_backend_target(t) for t in args.plugin]
-    backend = (
-        args.backend
-        or (plugins[0] if plugins else None)
-        or os.environ.get("GLMPORT_BACKEND")
-        or "auto"
-    )
+    _check_environment()
+    default = plugins[0] if plugins else environment.read("GLMPORT_BACKEND")
+    backend = args.backend or default
     if backend != "auto":
         REGISTRY.get(backend, "--backend")  # unknown: an error listing the valid names
     if args.ops:
@@ -242,6 +300,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     }
     if args.greedy and sampling:
         raise ConfigError(f"--greedy cannot be combined with {', '.join(sampling)}")
+    _check_environment()
     input_ids = _parse_ids(args.input_ids, "--input-ids")
     stop_tokens = _parse_ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens else []
     if args.model == "tiny":
@@ -289,7 +348,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="glmport",
         description="GLM-5 and its RL post-training on any accelerator. "
         "Select a backend with GLMPORT_BACKEND (see `glmport info`).",
@@ -337,7 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--emulate", action="store_true", help="run a vendor backend on the CPU")
     conf.add_argument("--full", action="store_true", help="full mode: larger GLM-5 shapes too")
     conf.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
-    conf.add_argument("-n", dest="workers", default="auto", help="pytest-xdist workers (0: none)")
+    conf.add_argument(
+        "-n",
+        dest="workers",
+        type=_workers,
+        default="auto",
+        help="pytest-xdist workers: auto, logical or a number (0: none)",
+    )
     conf.add_argument("--report-dir", default="conformance-report")
     conf.set_defaults(func=_cmd_conformance)
 
@@ -356,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=_seed, default=None, help="-2**63 to 2**64-1")
     gen.add_argument("--speculative", action="store_true", help="greedy MTP speculative decoding")
     gen.add_argument("--stop-tokens", default=None, help="token ids that end generation, e.g. 1,2")
     gen.add_argument("--backend", default=None, help="glmport backend (default: the selection)")
@@ -366,9 +431,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line; bad input is one ``glmport: error:`` line on stderr and
+    exit status 2 (returned; raised as SystemExit for a malformed command line, as
+    argparse does). The module docstring says what counts as bad input."""
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except GlmportError as err:
-        print(f"glmport: error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _fail(str(err))
+    except OSError as err:
+        if err.filename is None:  # not about a path the user named: a bug to report
+            raise
+        return _fail(f"{err.strerror or err}: {err.filename}")
+    except KeyboardInterrupt:
+        print("glmport: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _fail(message: str) -> int:
+    # One line, whatever the message holds: a path or a value with a newline in it
+    # must not start a second line that looks like output of its own.
+    line = " ".join(message.split())
+    print(f"glmport: error: {line}", file=sys.stderr)
+    return EXIT_CONFIG

@@ -71,7 +71,10 @@ class Sampler:
         """``[B]`` int64 token ids."""
         if self.greedy:
             return logits.argmax(dim=-1)
-        x = logits.float() / self.temperature
+        x = logits.float()
+        # Shift before scaling: at a tiny temperature the best token stays 0 (not inf)
+        # and the rest go to -inf, so sampling degrades to greedy instead of NaN.
+        x = (x - x.amax(dim=-1, keepdim=True)) / self.temperature
         if self.top_k:
             kth = x.topk(min(self.top_k, x.shape[-1]), dim=-1).values[:, -1:]
             x = x.masked_fill(x < kth, -math.inf)

@@ -18,7 +18,6 @@ hooks and fixtures, once a run collects the suite (``glmport_check``) or asks fo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -67,6 +66,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _settings(config: pytest.Config) -> SuiteSettings:
     from glmport.conformance.runner import device_for
+    from glmport.core import environment
     from glmport.core.registry import REGISTRY
     from glmport.core.selection import current_settings, primary_backend, use_backend
     from glmport.core.specs import INTERFACE_NAMES
@@ -84,8 +84,7 @@ def _settings(config: pytest.Config) -> SuiteSettings:
     backend = (
         config.getoption("--glmport-backend")
         or (plugins[0] if plugins else None)
-        or os.environ.get("GLMPORT_BACKEND")
-        or "auto"
+        or environment.read("GLMPORT_BACKEND")  # "auto" when unset
     )
     if backend == "auto":
         with use_backend(emulate=emulate):

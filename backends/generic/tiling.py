@@ -7,25 +7,13 @@ O(T * N) or O(T * V).
 
 from __future__ import annotations
 
-import os
-
-from glmport.core.errors import ConfigError
-
-DEFAULT_TILE_MB = 256
+from glmport.core import environment
 
 
 def budget_bytes() -> int:
-    """The tile budget in bytes (``GLMPORT_TILE_MB``, default 256 MiB)."""
-    raw = os.environ.get("GLMPORT_TILE_MB", "").strip()
-    if not raw:
-        return DEFAULT_TILE_MB << 20
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb > 0:
-        raise ConfigError(f"GLMPORT_TILE_MB={raw!r}: expected a positive number of MiB")
-    return int(mb * (1 << 20))
+    """The tile budget in bytes (``GLMPORT_TILE_MB``, default 256 MiB), as parsed and
+    checked by :mod:`glmport.core.environment` (a malformed value: ConfigError)."""
+    return int(environment.read("GLMPORT_TILE_MB") * (1 << 20))
 
 
 def rows_per_tile(bytes_per_row: int, total_rows: int) -> int:
