@@ -413,6 +413,31 @@ def _grouped_cases() -> Iterator[Case]:
                 "grouped_gemm", name, family, p, _grouped(**p, scheme=scheme, group_size=32),
                 dtypes=(torch.bfloat16,), scheme=scheme, judge="gemm",
             )  # fmt: skip
+    # Degenerate GEMM sizes, where a size-1 dimension's stride is arbitrary and fast
+    # kernels' size minimums bite: K = 1 (the smallest int4 K is one packed pair: 2),
+    # N = 1, M = 1.
+    for name, (m, n, k) in _DEGENERATE.items():
+        for scheme in (FLOAT_WEIGHT, *SCHEMES):
+            kk, gs = _smallest_k(scheme, k)
+            p = dict(m=m, e=3, n=n, k=kk, group_size=gs)
+            yield from _per_dtype(
+                "grouped_gemm", name, "edge", p, _grouped(**p, scheme=scheme),
+                dtypes=(torch.bfloat16,), judge="gemm",
+                scheme=None if scheme == FLOAT_WEIGHT else scheme,
+            )  # fmt: skip
+
+
+# M x N x K of the degenerate GEMM cases (quant_gemm and grouped_gemm).
+_DEGENERATE = {"k1": (5, 24, 1), "n1": (5, 1, 64), "m1_n24": (1, 24, 64), "mnk1": (1, 1, 1)}
+
+
+def _smallest_k(scheme: str, k: int) -> tuple[int, int]:
+    """``(K, group_size)`` for a degenerate case of ``K = k``: int4 weights pack values
+    in pairs within even groups, so their smallest K (and group) is 2."""
+    if scheme != FLOAT_WEIGHT and SCHEMES[scheme].weight.storage == torch.uint8:
+        k = max(k, 2)
+        return k, min(k, 32)
+    return k, 32
 
 
 # -- quantisation ------------------------------------------------------------------
@@ -464,6 +489,18 @@ def quant_cases() -> Iterator[Case]:
                     judge="gemm",
                     scheme=scheme,
                 )
+        for name, (m, n, k) in _DEGENERATE.items():
+            k, gs = _smallest_k(scheme, k)
+            yield Case(
+                "quant_gemm",
+                name,
+                "edge",
+                torch.bfloat16,
+                build=_quant_gemm(m, n, k, scheme, gs, torch.bfloat16),
+                params=(("group_size", gs), ("k", k), ("m", m), ("n", n)),
+                judge="gemm",
+                scheme=scheme,
+            )
         yield Case(
             "quant_gemm",
             "qat",

@@ -85,11 +85,17 @@ def gemm(op, dtype, args, outs, refs) -> Verdict:
         )
     else:
         wf = dequantize_weight(w, w_scale, scheme, args[4])
-    atol = FP32_EPS * k * float(x.double().abs().mean()) * float(wf.double().abs().mean())
     tol = tolerance(op, dtype)
     (o,), (r,) = _tuple(outs), _tuple(refs)
     if tuple(o.shape) != tuple(r.shape):
         return Verdict(False, f"output has shape {list(o.shape)}, expected {list(r.shape)}")
+    if r.numel() == 0:  # M = 0 or N = 0: the shape is all there is to judge
+        return Verdict(True, "", {"max_rel": 0.0, "max_abs": 0.0}, _tol_dict(tol))
+    # The mean of an empty operand (K = 0) is NaN, which would pass any output: there
+    # is no summation, so no summation error either.
+    mean_x = float(x.double().abs().mean()) if x.numel() else 0.0
+    mean_w = float(wf.double().abs().mean()) if wf.numel() else 0.0
+    atol = FP32_EPS * k * mean_x * mean_w
     if not torch.isfinite(o).all():
         return Verdict(False, "output has non-finite values")
     err = (o.double() - r.double()).abs()
@@ -142,7 +148,10 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
     k_start, k_end, topk = args[3].long(), args[4].long(), args[5]
     tol = tolerance(op, dtype)
     finite = ref[torch.isfinite(ref)]
-    scale = float(finite.abs().max()) if finite.numel() else 1.0
+    # Errors are relative to the largest finite score; when every one is 0 (or none is
+    # finite) they are absolute, as a relative error to 0 is undefined.
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    scale = scale or 1.0
     slack = tol.max_rel * scale
     idx, sc = idx.long().cpu(), sc.double().cpu()
     if tuple(idx.shape) != (ref.shape[0], topk) or tuple(sc.shape) != (ref.shape[0], topk):
@@ -220,6 +229,10 @@ def gate(op, dtype, args, outs, refs) -> Verdict:
     if any(row.unique().numel() != top_k for row in ids):
         return Verdict(False, "an expert chosen twice for one token")
     tol = tolerance(op, dtype)
+    if ids.numel() == 0:  # no token (T = 0) or top_k = 0: only the shapes to judge
+        if tuple(w.shape) != tuple(ids.shape):
+            return Verdict(False, f"weights have shape {list(w.shape)}, expected {list(ids.shape)}")
+        return Verdict(True, "", {"max_rel": 0.0}, _tol_dict(tol))
     mine = torch.sort(choice.gather(1, ids), dim=1).values
     theirs = torch.sort(choice.gather(1, ref_ids.long()), dim=1).values
     if ((mine - theirs).abs() > tol.max_rel * float(choice.abs().max())).any():

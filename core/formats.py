@@ -187,14 +187,19 @@ def quantize_tensor(
     f = FORMATS[fmt]
     xf = x.float()
     rows, cols = xf.shape
+    # Every view names all its sizes: ``-1`` cannot be inferred when a size is 0, and an
+    # empty input must still give the (empty) documented shapes.
     if f.granularity == "row":
-        amax = xf.abs().amax(dim=1)
+        # A row with no column has nothing to scale: amax 0, so the scale is the floor's.
+        amax = xf.abs().amax(dim=1) if cols else xf.new_zeros(rows)
     elif f.granularity == "group":
         padded = torch.nn.functional.pad(xf, (0, -cols % group_size))
-        amax = padded.abs().view(rows, -1, group_size).amax(dim=2)
+        groups = padded.shape[1] // group_size
+        amax = padded.abs().view(rows, groups, group_size).amax(dim=2)
     else:
         padded = torch.nn.functional.pad(xf, (0, -cols % group_size, 0, -rows % group_size))
-        tiles = padded.abs().view(padded.shape[0] // group_size, group_size, -1, group_size)
+        row_blocks, col_blocks = padded.shape[0] // group_size, padded.shape[1] // group_size
+        tiles = padded.abs().view(row_blocks, group_size, col_blocks, group_size)
         amax = tiles.amax(dim=(1, 3))
     if f.storage == FP8_DTYPE:
         scale = amax.clamp_min(FP8_AMAX_FLOOR) / FP8_MAX

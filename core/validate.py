@@ -17,6 +17,7 @@ import torch
 from .errors import OpInputError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP32_MAX = torch.finfo(torch.float32).max
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -124,6 +125,18 @@ class Checker:
             bad = lo if not (math.isfinite(lo) and lo > 0) else hi
             self.fail(arg, "finite and > 0 everywhere (scales)", f"a value {bad}")
 
+    def within_fp32(self, arg: str, bound: float, what: str, need: str = "small") -> None:
+        """Fail on ``arg`` when ``bound`` (an upper bound of ``what``, from the inputs'
+        max magnitudes) exceeds the float32 range: kernels compute ``what`` in float32,
+        where it would overflow to inf and give NaN or zeros. A NaN bound (NaN input)
+        passes: NaN inputs propagate."""
+        if bound > FP32_MAX:
+            self.fail(
+                arg,
+                f"{need} enough that {what} stays within float32 range (<= {FP32_MAX:.3g})",
+                f"inputs that bound it by {bound:.3g}",
+            )
+
     def finite(self, arg: str, t: torch.Tensor) -> None:
         if t.numel() == 0:
             return
@@ -132,6 +145,14 @@ class Checker:
         lo, hi = (float(v) for v in torch.aminmax(values))
         if not (math.isfinite(lo) and math.isfinite(hi)):
             self.fail(arg, "finite everywhere (no NaN or inf)", "a non-finite value")
+
+
+def abs_max(t: torch.Tensor) -> float:
+    """``max |t|`` as a Python float (0 for an empty tensor); NaN if ``t`` holds one."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(t))  # no |t| copy of a large tensor
+    return max(-lo, hi)
 
 
 def _shape_text(shape: Sequence[object] | None) -> str:

@@ -20,11 +20,30 @@ def sparse_attention(q, k, v, indices, scale):
     slots = torch.where(valid, indices, 0).long()
     kg = k.to(acc)[slots]  # [T, K, Hkv, Dk]
     vg = v.to(acc)[slots]  # [T, K, Hkv, Dv]
+    kk, dv = indices.shape[1], v.shape[-1]
     qg = q.to(acc).view(t, hkv, h // hkv, dk)  # query heads grouped by their kv head
-    s = torch.einsum("tcgd,tkcd->tcgk", qg, kg).reshape(t, h, -1) * scale
+    # Sizes spelled out: ``-1`` cannot be inferred from an empty tensor (T = 0).
+    s = torch.einsum("tcgd,tkcd->tcgk", qg, kg).reshape(t, h, kk) * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [T, H]; -inf when a row has no valid slot
-    # Rows with no valid slot: subtract 0 instead of -inf so p is 0, not NaN.
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    out = torch.einsum("tcgk,tkcd->tcgd", p.view(t, hkv, h // hkv, -1), vg).reshape(t, h, -1)
+    p, lse = _softmax_with_lse(s)
+    out = torch.einsum("tcgk,tkcd->tcgd", p.view(t, hkv, h // hkv, kk), vg).reshape(t, h, dv)
     return out.to(out_dtype(q.dtype)), lse.to(out_dtype(torch.float32))
+
+
+def _softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax of scores ``s`` ``[T, H, K]`` and its natural-log lse ``[T, H]``.
+
+    ``p = exp(s - max) / sum`` (as flash attention does), not ``exp(s - lse)``: with a
+    huge scale ``|lse|`` is large and ``s - lse`` loses every digit the float32 ulp of
+    ``lse`` spans, while ``s - max`` is exact at the maximum. A row with no valid slot
+    (all ``-inf``, or ``K = 0``) gives ``p = 0`` and ``lse = -inf``.
+    """
+    if s.shape[-1]:
+        m = s.amax(dim=-1, keepdim=True)
+    else:
+        m = s.new_full((*s.shape[:-1], 1), float("-inf"))
+    m = torch.where(torch.isfinite(m), m, 0.0)  # all -inf: subtract 0 so p is 0, not NaN
+    e = torch.exp(s - m)
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(total > 0, total, 1.0)
+    return p, (m + torch.log(total)).squeeze(-1)

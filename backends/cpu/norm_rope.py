@@ -9,8 +9,14 @@ from .precision import acc_dtype, out_dtype
 
 def rms_norm(x, weight, eps=1e-6):
     xf = x.to(acc_dtype())
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(xf.dtype)
-    return y.to(out_dtype(x.dtype))
+    # Rows whose values exceed 1 are divided by their max |x| first: the mean of squares
+    # of finite fp32 values beyond ~1e19 overflows, then rsqrt gives 0. Since
+    # x * rsqrt(mean(x^2) + eps) = (x/s) * rsqrt(mean((x/s)^2) + eps/s^2), the result
+    # is unchanged; s = 1 (no scaling) keeps small rows exact, where eps/s^2 could overflow.
+    s = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+    xs = xf / s
+    inv = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps / s.pow(2))
+    return (xs * inv * weight.to(xf.dtype)).to(out_dtype(x.dtype))
 
 
 def rope(x, cos, sin, interleaved=True):

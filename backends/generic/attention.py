@@ -25,7 +25,9 @@ def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     entry is masked, so zeros stand in."""
     if x.shape[0] == 0:
         return x.new_zeros((*slots.shape, x.shape[1], x.shape[2])).float().permute(0, 2, 1, 3)
-    rows = torch.index_select(x.reshape(x.shape[0], -1), 0, slots.reshape(-1))
+    # Sizes spelled out: ``-1`` cannot be inferred from an empty tensor.
+    flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2])
+    rows = torch.index_select(flat, 0, slots.reshape(slots.numel()))
     return rows.view(*slots.shape, x.shape[1], x.shape[2]).float().permute(0, 2, 1, 3)
 
 
@@ -52,10 +54,22 @@ def gather_chunk(q, k, v, indices, scale, t0, t1):
 
 
 def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row softmax and natural-log lse; an all ``-inf`` row gives p = 0, lse = -inf."""
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return p, lse
+    """Row softmax and natural-log lse of fp32 scores ``[..., K]``; an all ``-inf`` row
+    (or ``K = 0``) gives p = 0, lse = -inf.
+
+    ``p = exp(s - max) / sum`` (as flash attention does), not ``exp(s - lse)``: with a
+    huge scale ``|lse|`` is large and ``s - lse`` loses every digit the float32 ulp of
+    ``lse`` spans, while ``s - max`` is exact at the maximum.
+    """
+    if s.shape[-1]:
+        m = s.amax(dim=-1, keepdim=True)
+    else:
+        m = s.new_full((*s.shape[:-1], 1), float("-inf"))
+    m = torch.where(torch.isfinite(m), m, 0.0)  # all -inf: subtract 0 so p is 0, not NaN
+    e = torch.exp(s - m)
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(total > 0, total, 1.0)
+    return p, (m + torch.log(total)).squeeze(-1)
 
 
 def chunk_rows(q, k, v, indices) -> int:
@@ -75,7 +89,7 @@ def sparse_attention(q, k, v, indices, scale):
         t1 = min(t, t0 + step)
         _, _, vg, s, _ = gather_chunk(q, k, v, indices, scale, t0, t1)
         p, lse = softmax_with_lse(s)
-        out[t0:t1] = torch.matmul(p, vg).reshape(t1 - t0, h, -1).to(q.dtype)
+        out[t0:t1] = torch.matmul(p, vg).reshape(t1 - t0, h, v.shape[-1]).to(q.dtype)
         lse_out[t0:t1] = lse.reshape(t1 - t0, h)
     return out, lse_out
 
@@ -97,7 +111,7 @@ def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
         tc = t1 - t0
         qg, kg, vg, s, slots = gather_chunk(q, k, v, indices, scale, t0, t1)
         p, _ = softmax_with_lse(s)
-        go = g_out[t0:t1].float().view(tc, hkv, h // hkv, -1)
+        go = g_out[t0:t1].float().view(tc, hkv, h // hkv, v.shape[-1])
         gl = g_lse[t0:t1].float().view(tc, hkv, h // hkv, 1)
         out = torch.matmul(p, vg)
         dp = torch.matmul(go, vg.transpose(-1, -2))
@@ -107,7 +121,10 @@ def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
         dvg = torch.matmul(p.transpose(-1, -2), go)  # [Tc, Hkv, K, Dv]
         if k.shape[0] == 0:  # no slot to scatter onto (every entry was masked)
             continue
-        flat = slots.reshape(-1)  # masked entries gathered slot 0 with p = 0: they add zeros
-        dkf.index_add_(0, flat, dkg.permute(0, 2, 1, 3).reshape(-1, hkv, dk))
-        dvf.index_add_(0, flat, dvg.permute(0, 2, 1, 3).reshape(-1, hkv, v.shape[-1]))
+        # Masked entries gathered slot 0 with p = 0: they add zeros. Sizes spelled out, as
+        # ``-1`` cannot be inferred when K = 0.
+        flat = slots.reshape(slots.numel())
+        dkf.index_add_(0, flat, dkg.permute(0, 2, 1, 3).reshape(flat.shape[0], hkv, dk))
+        dvg = dvg.permute(0, 2, 1, 3).reshape(flat.shape[0], hkv, v.shape[-1])
+        dvf.index_add_(0, flat, dvg)
     return dq.to(q.dtype), dkf.to(k.dtype), dvf.to(v.dtype), None, None

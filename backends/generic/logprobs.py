@@ -17,18 +17,30 @@ def _tiles(hidden, lm_head):
 
 
 def _online_stats(h, lm_head, temperature, vt):
-    """Per token: max logit ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m) z``."""
+    """Per token: ``m``, the max raw logit ``h . w`` (before the ``1 / temperature``),
+    ``s = sum exp(d)`` and ``u = sum exp(d) d`` with ``d = (h . w - m) / temperature``,
+    that is ``z - max z``.
+
+    The max is subtracted before scaling: at a small temperature ``z`` is large and its
+    float32 ulp would swamp ``z - max z``; ``h . w - m`` is exact near the max and the
+    division keeps its relative accuracy.
+    """
     rows = h.shape[0]
     m = torch.full((rows,), float("-inf"), device=h.device)
     s = torch.zeros(rows, device=h.device)
     u = torch.zeros(rows, device=h.device)
     for v0 in range(0, lm_head.shape[0], vt):
-        z = (h @ lm_head[v0 : v0 + vt].float().T) / temperature
-        m_new = torch.maximum(m, z.amax(dim=1))
-        decay = torch.exp(m - m_new)
-        e = torch.exp(z - m_new[:, None])
+        r = h @ lm_head[v0 : v0 + vt].float().T
+        m_new = torch.maximum(m, r.amax(dim=1))
+        shift = (m - m_new) / temperature  # <= 0; -inf before the first tile
+        d = (r - m_new[:, None]) / temperature
+        e = torch.exp(d)
+        decay = torch.exp(shift)
+        # ``u`` so far is centred on the old max: move it to the new one (d_old + shift).
+        # Terms that decay to 0 move nowhere (always before the first tile, where
+        # s = 0 and the shift is -inf; 0 * -inf would be NaN).
+        u = torch.where(decay > 0, (u + shift * s) * decay, 0.0) + (e * d).sum(dim=1)
         s = s * decay + e.sum(dim=1)
-        u = u * decay + (e * z).sum(dim=1)
         m = m_new
     return m, s, u
 
@@ -44,14 +56,16 @@ def token_logprobs(hidden, lm_head, targets, temperature=1.0):
     for t0 in range(0, t, step):
         h = hidden[t0 : t0 + step].float()
         m, s, u = _online_stats(h, lm_head, temperature, vt)
-        lse = m + torch.log(s)
+        log_s = torch.log(s)  # lse - max z
         # A target outside [0, V) (unchecked under GLMPORT_VALIDATE=meta) is no token: NaN.
         tgt = targets[t0 : t0 + step]
         valid = (tgt >= 0) & (tgt < v)
         target_row = lm_head[torch.where(valid, tgt, 0).long()].float()
-        z_target = (h * target_row).sum(dim=1) / temperature
-        logp[t0 : t0 + step] = torch.where(valid, z_target - lse, float("nan"))
-        entropy[t0 : t0 + step] = lse - u / s
+        # logp = z_t - lse = (r_t - m) / temperature - log s: the max is subtracted before
+        # scaling, so a small temperature does not magnify the ulp of a large logit.
+        d_target = ((h * target_row).sum(dim=1) - m) / temperature
+        logp[t0 : t0 + step] = torch.where(valid, d_target - log_s, float("nan"))
+        entropy[t0 : t0 + step] = log_s - u / s  # lse - E[z], both taken relative to max z
     return logp, entropy
 
 
@@ -68,12 +82,13 @@ def token_logprobs_backward(inputs: tuple, grads: tuple) -> tuple:
         tgt = targets[t0 : t0 + step].long()
         gl, ge = g_logp[t0 : t0 + step, None], g_ent[t0 : t0 + step, None]
         m, s, u = _online_stats(h, lm_head, temperature, vt)
-        lse, mean_z = (m + torch.log(s))[:, None], (u / s)[:, None]
+        # Everything relative to max z, as in the forward: d = z - max z.
+        log_s, mean_d = torch.log(s)[:, None], (u / s)[:, None]
         for v0 in range(0, lm_head.shape[0], vt):
             w = lm_head[v0 : v0 + vt].float()
-            z = (h @ w.T) / temperature
-            p = torch.exp(z - lse)
-            dz = -gl * p - ge * p * (z - mean_z)
+            d = (h @ w.T - m[:, None]) / temperature
+            p = torch.exp(d - log_s)
+            dz = -gl * p - ge * p * (d - mean_d)
             hit = (tgt >= v0) & (tgt < v0 + w.shape[0])
             rows = hit.nonzero().squeeze(1)
             dz[rows, tgt[rows] - v0] += gl[rows, 0]

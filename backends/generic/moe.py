@@ -33,15 +33,28 @@ def _fused_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` is trusted with ``x [M, K]`` times ``w [E, N, K]``
+    transposed: both exactly row-major (a size-1 dimension's stride is still read),
+    16-byte aligned rows (K and N) and base pointers."""
+    row_bytes = x.element_size()
+    return (
+        x.stride() == (x.shape[1], 1)
+        and w.stride() == (w.shape[1] * w.shape[2], w.shape[2], 1)
+        and x.shape[1] * row_bytes % 16 == 0
+        and w.shape[1] * row_bytes % 16 == 0
+        and x.shape[1] > 0
+        and w.shape[1] > 0
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )
 
 
 def grouped_gemm(x, w, expert_offsets, w_scale=None, scheme=FLOAT_WEIGHT, group_size=128):
     m = x.shape[0]
     offsets = owned_rows(expert_offsets, m)  # a partition even when unchecked (meta mode)
     fused = scheme == FLOAT_WEIGHT and _fused_grouped_mm(x.device.type, x.dtype)
-    if fused and _aligned(x) and _aligned(w):
+    if fused and _grouped_mm_fits(x, w):
         y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32))
         # _grouped_mm starts expert 0 at row 0 and leaves rows past the last offset
         # unwritten: zero the rows of no expert on the device, without a host sync.

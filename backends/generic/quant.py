@@ -39,11 +39,58 @@ def _has(device_type: str, probe: str) -> bool:
         return False
 
 
+# The fast kernels read a matrix through its strides as a BLAS leading dimension, and
+# each has size and alignment minimums (cuBLASLt: int8 GEMMs need K and N multiples of
+# 8 and M > 16, fp8 GEMMs K and N multiples of 16). A size-1 dimension may carry any
+# stride (``is_contiguous()`` ignores it), which a BLAS still reads; K = 1, N = 1 and
+# M = 1 are exactly the calls where this happens. Outside these bounds the exact
+# portable path runs.
+_INT_MM_ALIGN = 8
+_INT_MM_MIN_ROWS = {"cpu": 1}  # other devices: cuBLASLt's M > 16
+_SCALED_MM_ALIGN = 16
+# int8 x int8 products are at most 127^2: fp32 sums stay exact integers below 2^24
+# for up to this many products, whatever the summation order.
+_EXACT_FP32_TERMS = (1 << 24) // (127 * 127)
+
+
+def canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with exactly row-major strides, size-1 dimensions included (a copy only
+    when they differ)."""
+    want, step = [], 1
+    for size in reversed(t.shape):
+        want.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(want)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _int_mm_fits(a: torch.Tensor, b_t: torch.Tensor) -> bool:
+    """Whether ``torch._int_mm`` is trusted with ``a [M, K] @ b_t [K, N]`` (row-major)."""
+    (m, k), n = a.shape, b_t.shape[1]
+    min_rows = _INT_MM_MIN_ROWS.get(a.device.type, 17)
+    aligned = k % _INT_MM_ALIGN == 0 and n % _INT_MM_ALIGN == 0
+    return m >= min_rows and k > 0 and n > 0 and aligned
+
+
 def _int_dot(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """Exact int32 ``a @ b_t`` for int8 ``a [M, g]``, contiguous int8 ``b_t [g, N]``."""
-    if _has(a.device.type, "int_mm"):
+    """Exact int32 ``a @ b_t`` for int8 ``a [M, g]`` and int8 ``b_t [g, N]``."""
+    a, b_t = canonical(a), canonical(b_t)
+    if _int_mm_fits(a, b_t) and _has(a.device.type, "int_mm"):
         return torch._int_mm(a, b_t)
-    return a.to(torch.int32) @ b_t.to(torch.int32)
+    # Portable and exact on any device (integer matmul is CPU-only): fp32 GEMMs over
+    # chunks of K short enough that every partial sum is an exactly representable
+    # integer (TF32 too: int8 needs 7 of its 10 mantissa bits), accumulated in int32.
+    out = torch.zeros(a.shape[0], b_t.shape[1], dtype=torch.int32, device=a.device)
+    for k0 in range(0, a.shape[1], _EXACT_FP32_TERMS):
+        k1 = k0 + _EXACT_FP32_TERMS
+        out += (a[:, k0:k1].float() @ b_t[k0:k1].float()).to(torch.int32)
+    return out
+
+
+def _scaled_mm_fits(xa: torch.Tensor, n: int) -> bool:
+    """Whether ``torch._scaled_mm`` is trusted with ``xa [M, bk]`` times ``[bk, N]``."""
+    return xa.shape[1] % _SCALED_MM_ALIGN == 0 and n % _SCALED_MM_ALIGN == 0 and n > 0
 
 
 def int8_transposed(w: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -107,8 +154,9 @@ def _fp8_gemm(x, w, w_scale, scheme):
     for kb, k0 in enumerate(range(0, x.shape[1], block)):
         xa, wb = qx[:, k0 : k0 + block], w[:, k0 : k0 + block]
         sa, sb = sx[:, kb : kb + 1].contiguous(), sw[:, kb][None, :].contiguous()
-        if fast:
-            y += torch._scaled_mm(xa.contiguous(), wb.contiguous().T, scale_a=sa, scale_b=sb,
+        if fast and _scaled_mm_fits(xa, wb.shape[0]):
+            # b is read column-major: the transpose of an exactly row-major [N, bk].
+            y += torch._scaled_mm(canonical(xa), canonical(wb).T, scale_a=sa, scale_b=sb,
                                   out_dtype=torch.float32)  # fmt: skip
         else:
             y += (xa.float() @ wb.float().T) * sa * sb

@@ -106,8 +106,9 @@ def invoke(spec: OpSpec, *args: object):
     is the same dispatch. The dispatcher rejects arguments of the wrong Python type
     before glmport's checks run; in that case the spec's checks are run here so the
     error names the op and the argument in glmport's terms. It also silently converts
-    some scalars (a bool into an int or float argument, ``1`` or ``None`` into a bool
-    one) that glmport's checks reject, so those calls are checked here first.
+    some scalars (a bool, a 0-d tensor or a numpy scalar into an int or float argument,
+    ``1`` or ``None`` into a bool one) that glmport's checks reject, so those calls are
+    checked here first.
     """
     if _eager_run is not None and len(args) == len(spec.arg_names) and _plain_eager_call(args):
         return _eager_run(spec.name, args)
@@ -133,10 +134,16 @@ def invoke_prepared(spec: OpSpec, args: tuple):
     return invoke(spec, args[0], args[1].w, *args[2:])
 
 
+# What an int or float argument may be: a Python number (a numpy float64 is one), or a
+# symbolic one while tracing. The dispatcher would also take a bool, a 0-d tensor or a
+# numpy int / float32 and convert it silently (a tensor's 2.7 into topk 2).
+_NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
+
+
 def _coerced(spec: OpSpec, args: tuple) -> bool:
     """Whether the dispatcher would silently convert a scalar argument of ``args``."""
     for kind, a in zip(spec.arg_types, args, strict=False):
-        if kind in ("int", "float") and isinstance(a, bool):
+        if kind in ("int", "float") and (isinstance(a, bool) or not isinstance(a, _NUMBERS)):
             return True
         if kind == "bool" and not isinstance(a, (bool, torch.SymBool)):
             return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, abs_max
 from .base import OpSpec, invoke
 
 
@@ -17,6 +17,12 @@ def _check(c: Checker, hidden, lm_head, targets, temperature, *, values):
     c.same_device(hidden=hidden, lm_head=lm_head, targets=targets)
     if values:
         c.in_range("targets", targets, 0, lm_head.shape[0])
+        # The entropy sums p * z over the vocabulary: V * max|z| must fit too.
+        v = max(lm_head.shape[0], 1)
+        bound = abs_max(hidden) * abs_max(lm_head) * d / temperature * v
+        c.within_fp32(
+            "temperature", bound, "V * max|z|, z = hidden . lm_head / temperature", "large"
+        )
 
 
 def _fake(hidden, lm_head, targets, temperature=1.0):

@@ -247,6 +247,7 @@ def _check_grouped(c: Checker, x, w, expert_offsets, w_scale, scheme, group_size
     e = w.shape[0]
     c.tensor("expert_offsets", expert_offsets, shape=(("E+1", e + 1),), dtypes=INDEX_DTYPES)
     c.same_device(x=x, w=w, expert_offsets=expert_offsets)
+    c.int_at_least("group_size", group_size, 1)  # float weights ignore it, but typed
     if scheme == FLOAT_WEIGHT:
         c.tensor("w", w, shape=(("E", e), None, ("K", x.shape[1])), dtypes=(x.dtype,))
         if w_scale is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import FLOAT_DTYPES, Checker
+from ..validate import FLOAT_DTYPES, Checker, abs_max
 from .base import OpSpec, invoke
 
 # -- rms_norm ----------------------------------------------------------------------
@@ -17,6 +17,9 @@ def _check_rms(c: Checker, x, weight, eps, *, values):
     c.tensor("weight", weight, shape=(("D", x.shape[-1]),), dtypes=FLOAT_DTYPES)
     c.positive_float("eps", eps)
     c.same_device(x=x, weight=weight)
+    if values:
+        # Fused kernels (cuda, npu_rms_norm) sum squares in float32 unscaled.
+        c.within_fp32("x", abs_max(x) ** 2 * x.shape[-1], "the sum of squares of a row")
 
 
 RMS_NORM = OpSpec(
