@@ -25,13 +25,14 @@ def sparse_attention(q, k, v, indices, scale):
     # Sizes spelled out: ``-1`` cannot be inferred from an empty tensor (T = 0).
     s = torch.einsum("tcgd,tkcd->tcgk", qg, kg).reshape(t, h, kk) * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    p, lse = _softmax_with_lse(s)
+    p, lse = softmax_with_lse(s)
     out = torch.einsum("tcgk,tkcd->tcgd", p.view(t, hkv, h // hkv, kk), vg).reshape(t, h, dv)
     return out.to(out_dtype(q.dtype)), lse.to(out_dtype(torch.float32))
 
 
-def _softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row softmax of scores ``s`` ``[T, H, K]`` and its natural-log lse ``[T, H]``.
+def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax of scores ``s`` ``[..., K]`` and its natural-log lse ``[...]`` (also
+    the generic backend's, on its fp32 chunks).
 
     ``p = exp(s - max) / sum`` (as flash attention does), not ``exp(s - lse)``: with a
     huge scale ``|lse|`` is large and ``s - lse`` loses every digit the float32 ulp of

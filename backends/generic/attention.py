@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from glmport.backends.cpu.attention import softmax_with_lse
+
 from .tiling import rows_per_tile
 
 
@@ -51,25 +53,6 @@ def gather_chunk(q, k, v, indices, scale, t0, t1):
     s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     return qg, kg, vg, s, slots
-
-
-def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row softmax and natural-log lse of fp32 scores ``[..., K]``; an all ``-inf`` row
-    (or ``K = 0``) gives p = 0, lse = -inf.
-
-    ``p = exp(s - max) / sum`` (as flash attention does), not ``exp(s - lse)``: with a
-    huge scale ``|lse|`` is large and ``s - lse`` loses every digit the float32 ulp of
-    ``lse`` spans, while ``s - max`` is exact at the maximum.
-    """
-    if s.shape[-1]:
-        m = s.amax(dim=-1, keepdim=True)
-    else:
-        m = s.new_full((*s.shape[:-1], 1), float("-inf"))
-    m = torch.where(torch.isfinite(m), m, 0.0)  # all -inf: subtract 0 so p is 0, not NaN
-    e = torch.exp(s - m)
-    total = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(total > 0, total, 1.0)
-    return p, (m + torch.log(total)).squeeze(-1)
 
 
 def chunk_rows(q, k, v, indices) -> int:
