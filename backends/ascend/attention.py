@@ -16,6 +16,8 @@ from types import ModuleType, SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from glmport.core.selection import log_fallback_once
+
 from ..generic.attention import sparse_attention as generic_sparse_attention
 
 LATENT = 512  # the op's D: query / key / value
@@ -88,6 +90,9 @@ def sparse_attention(
         out = torch.zeros((t, h, LATENT), dtype=q.dtype, device=q.device)
         return out, torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device)
     if not (_is_latent_view(k, v) or torch.equal(v, k[..., :LATENT])):
+        log_fallback_once(
+            "ascend", "sparse_attention", "generic", "cannot take v != k[..., :512] in"
+        )
         return generic_sparse_attention(q, k, v, indices, scale)
     s2 = max(n, kk)
     key = _padded(k[..., :LATENT], s2)

@@ -52,6 +52,7 @@ from glmport.backends.cpu.moe import owned_rows
 from glmport.backends.generic.moe import grouped_gemm as generic_grouped_gemm
 from glmport.backends.generic.quant import quant_gemm as generic_quant_gemm
 from glmport.core.formats import FLOAT_WEIGHT, quantize_tensor, unpack_int4
+from glmport.core.selection import log_fallback_once
 from glmport.core.specs.quant import PreparedWeight
 
 __all__ = [
@@ -212,6 +213,7 @@ def quant_gemm(
         ``[M, N]`` in ``x``'s dtype.
     """
     if w_scale is None:
+        log_fallback_once("ascend", "quant_gemm", "generic", "cannot take float (QAT) weights in")
         return generic_quant_gemm(x, w, w_scale, scheme, group_size)
     n = w.shape[0]
     if x.shape[0] == 0:
@@ -228,6 +230,8 @@ def quant_gemm(
     k = x.shape[1]
     group = k // w_scale.shape[1]
     if not _wqbmm_takes(k, group):
+        why = f"cannot take int4 K {k} with group {group} in"
+        log_fallback_once("ascend", "quant_gemm", "generic", why)
         return generic_quant_gemm(x, w, w_scale, scheme, group_size)
     words = _int32_words(w)  # [N, K/8]
     gsize = 0 if group == k else group
@@ -329,6 +333,8 @@ def grouped_gemm(
         or x.dtype == torch.float32
         or (scheme == "w4a16" and not _gmm_int4_takes(k))
     ):
+        why = f"cannot take {scheme} weights with {x.dtype} activations and K {k} in"
+        log_fallback_once("ascend", "grouped_gemm", "generic", why)
         return generic_grouped_gemm(x, w, expert_offsets, w_scale, scheme, group_size)
     m = x.shape[0]
     if m == 0:
@@ -380,6 +386,8 @@ def grouped_gemm_prepared(
         ``[M, N]`` in ``x``'s dtype.
     """
     if x.dtype == torch.float32:
+        why = f"cannot take {scheme} weights with float32 activations in"
+        log_fallback_once("ascend", "grouped_gemm", "generic", why)
         return generic_grouped_gemm(x, prepared.w, expert_offsets, w_scale, scheme, group_size)
     m = x.shape[0]
     if m == 0:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from glmport.backends.generic.moe import moe_gate as _generic_moe_gate
-from glmport.core.selection import current_settings
+from glmport.core.selection import current_settings, log_fallback_once
 
 # npu_moe_gating_top_k's grouping limits (its doc): a group holds more than 2 experts,
 # and group_count times the group size aligned to 32 is at most 2048.
@@ -79,6 +79,8 @@ def moe_gate(
         return logits.new_empty((0, top_k)), logits.new_empty((0, top_k), dtype=torch.int32)
     grouped = n_group > 1 and topk_group < n_group and experts // n_group > 1
     if grouped and not _op_groups(experts, n_group):
+        why = f"cannot take {n_group} groups of {experts} experts in"
+        log_fallback_once("ascend", "moe_gate", "generic", why)
         return _generic_moe_gate(
             logits,
             bias,
