@@ -16,6 +16,7 @@ attends over everything each sequence has cached. Rolling a sequence back
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ import torch
 
 from glmport.core.errors import ConfigError, GlmportError
 
+from .choices import active_tape
 from .config import GlmMoeDsaConfig
 from .modeling import DecoderLayer
 
@@ -240,9 +242,12 @@ class _Plan:
     of every sequence, sequence after sequence in logical order (the packed indexer
     keys are gathered from these). ``k_start / k_end [T]`` int32: each query's causal
     range in that packed order. ``last [B]``: each sequence's last new token in ``T``.
+    ``seq_ids`` / ``positions [T]`` int64: each new token's sequence id and position.
     """
 
     new_slots: torch.Tensor
+    seq_ids: torch.Tensor
+    positions: torch.Tensor
     key_slots: torch.Tensor
     k_start: torch.Tensor
     k_end: torch.Tensor
@@ -263,18 +268,22 @@ def _plan(
         raise ConfigError(f"a cached step needs >= 1 new token per sequence, got {counts}")
     starts = [cache.length(s) for s in seqs]
     new_slots = cache.append_batch(seqs, counts)
-    positions, key_slots, k_start, k_end = [], [], [], []
+    positions, seq_ids, key_slots, k_start, k_end = [], [], [], [], []
     offset = 0
     for seq, start, n in zip(seqs, starts, counts, strict=True):
         pos = torch.arange(start, start + n)
         positions.append(pos)
+        seq_ids.append(torch.full((n,), seq))
         key_slots.append(cache.slots(seq))
         k_start.append(torch.full((n,), offset))
         k_end.append(offset + pos + 1)
         offset += start + n
-    cos, sin = rope(torch.cat(positions).to(device))
+    positions = torch.cat(positions).to(device)
+    cos, sin = rope(positions)
     return _Plan(
         new_slots=torch.cat(new_slots).to(device),
+        seq_ids=torch.cat(seq_ids).to(device),
+        positions=positions,
         key_slots=torch.cat(key_slots).to(device),
         k_start=torch.cat(k_start).to(device, torch.int32),
         k_end=torch.cat(k_end).to(device, torch.int32),
@@ -341,8 +350,11 @@ def forward_cached(
     rows, counts = _as_ids(new_ids, device)
     plan = _plan(cache, seqs, counts, model.model.rope, device)
     x = model.model.embed_tokens(torch.cat(rows))
-    for i, layer in enumerate(model.model.decoder_layers):
-        x = _layer_step(layer, x, cache, i, plan)
+    tape = active_tape()
+    # A choice tape names each token by its cache sequence id and position.
+    with nullcontext() if tape is None else tape.rows(plan.seq_ids, plan.positions):
+        for i, layer in enumerate(model.model.decoder_layers):
+            x = _layer_step(layer, x, cache, i, plan)
     out = x[plan.last] if last_only else x
     return StepOutput(model.lm_head(model.model.norm(out)), x, counts)
 

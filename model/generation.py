@@ -12,14 +12,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from glmport.core.errors import ConfigError
+import glmport.ops as ops
+from glmport.core.errors import ConfigError, GlmportError
 
-from .cache import PagedKVCache, forward_cached, mtp_forward_cached
+from .cache import PagedKVCache, StepOutput, forward_cached, mtp_forward_cached
+from .choices import Choices, ChoiceTape, choice_tape
 
 if TYPE_CHECKING:
     from .causal_lm import GlmMoeDsaForCausalLM
@@ -36,6 +39,11 @@ class GenerationResult:
     ``prefill_seconds + decode_seconds``; ``tokens_per_s`` counts new tokens over it.
     ``acceptance_length``: speculative only, the mean over verification steps with at
     least one draft of (accepted drafts + 1), i.e. tokens gained per main-model step.
+    ``logprobs`` (``return_logprobs``): per prompt, each new token's log-probability
+    ``[n_new]`` fp32 under the temperature-scaled distribution (see :func:`generate`).
+    ``choices`` (``record_choices``): per prompt, the discrete choices of every token
+    the model consumed (the prompt and every new token but the last), as
+    :class:`~glmport.model.choices.Choices`.
     """
 
     output_ids: list[list[int]]
@@ -46,6 +54,8 @@ class GenerationResult:
     tokens_per_s: float
     acceptance_length: float | None = None
     verify_steps: int = 0
+    logprobs: list[torch.Tensor] | None = None
+    choices: list[Choices] | None = None
 
 
 class Sampler:
@@ -169,6 +179,8 @@ def generate(
     stop_tokens: Sequence[int] = (),
     speculative: bool = False,
     block_size: int = 16,
+    return_logprobs: bool = False,
+    record_choices: bool = False,
 ) -> GenerationResult:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -182,6 +194,15 @@ def generate(
         stop_tokens: a sequence ends after emitting one of these; the others continue.
         speculative: greedy MTP speculative decoding (same output as greedy).
         block_size: slots per paged-cache block.
+        return_logprobs: also return each new token's log-probability, computed by
+            ``token_logprobs`` from the step's final hidden state at ``temperature``
+            (1 when greedy): ``log softmax(logits / temperature)`` over the whole
+            vocabulary, the quantity a trainer recomputes. ``top_k`` / ``top_p``
+            truncate the distribution actually sampled from, so with them the sampled
+            token is more likely than this log-probability says (RL should sample
+            with neither, the defaults).
+        record_choices: also return the discrete choices (routed experts, indexer
+            selections) of every consumed token, for replay in a training forward.
 
     Returns:
         :class:`GenerationResult`.
@@ -192,8 +213,13 @@ def generate(
     )
     prompts = [list(p) for p in prompts]
     run = _Run(len(prompts), max_new_tokens, stop_tokens)
+    if speculative and (return_logprobs or record_choices):
+        raise ConfigError(
+            "return_logprobs / record_choices need sampled (non-speculative) decoding"
+        )
     if max_new_tokens == 0:
-        return GenerationResult(run.out, 0, 0.0, 0.0, 0.0, 0.0)
+        empty = [torch.zeros(0) for _ in prompts] if return_logprobs else None
+        return GenerationResult(run.out, 0, 0.0, 0.0, 0.0, 0.0, logprobs=empty)
     weight = model.lm_head.weight
     # The main cache never holds more than prompt + max_new_tokens - 1 tokens of a
     # sequence (the last new token is not fed back), the MTP cache fewer still.
@@ -205,11 +231,14 @@ def generate(
         )
 
     sampler = Sampler(greedy, temperature, top_p, top_k, seed, weight.device)
+    logprobs: list[list[torch.Tensor]] | None = [[] for _ in prompts] if return_logprobs else None
     t0 = time.perf_counter()
-    if speculative:
-        accepted, steps, t1 = _speculative(model, prompts, run, new_cache)
-    else:
-        accepted, steps, t1 = 0, 0, _plain(model, prompts, run, new_cache, sampler)
+    with choice_tape(model) if record_choices else nullcontext() as tape:
+        if speculative:
+            accepted, steps, t1 = _speculative(model, prompts, run, new_cache)
+        else:
+            scorer = _Scorer(model, 1.0 if greedy else temperature, logprobs)
+            accepted, steps, t1 = 0, 0, _plain(model, prompts, run, new_cache, sampler, scorer)
     t2 = time.perf_counter()
     n = sum(len(o) for o in run.out)
     return GenerationResult(
@@ -221,16 +250,55 @@ def generate(
         tokens_per_s=n / (t2 - t0) if t2 > t0 else 0.0,
         acceptance_length=(accepted / steps if steps else None) if speculative else None,
         verify_steps=steps,
+        logprobs=None if logprobs is None else [torch.cat(p) for p in logprobs],
+        choices=None if tape is None else _consumed_choices(tape, prompts, run.out),
     )
 
 
-def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler) -> float:
+def _consumed_choices(
+    tape: ChoiceTape, prompts: list[list[int]], outputs: list[list[int]]
+) -> list[Choices]:
+    """Each prompt's recorded choices (its cache sequence id is its index), checked to
+    cover exactly the prompt and every new token but the last."""
+    recorded = tape.recorded()
+    out = []
+    for b, (prompt, new) in enumerate(zip(prompts, outputs, strict=True)):
+        choices = recorded[b]
+        if len(choices) != len(prompt) + len(new) - 1:
+            raise GlmportError(
+                f"generate: prompt {b} consumed {len(prompt) + len(new) - 1} tokens but "
+                f"{len(choices)} have recorded choices"
+            )
+        out.append(choices)
+    return out
+
+
+class _Scorer:
+    """The log-probabilities of sampled tokens, from a cached step's hidden states, by
+    ``token_logprobs`` (the op a trainer scores them with); a no-op when not asked."""
+
+    def __init__(self, model, temperature: float, logprobs: list[list[torch.Tensor]] | None):
+        self.model, self.temperature, self.logprobs = model, temperature, logprobs
+
+    def __call__(self, step: StepOutput, batch: Sequence[int], tokens: torch.Tensor) -> None:
+        if self.logprobs is None:
+            return
+        hidden = self.model.model.norm(step.last(step.hidden))
+        weight = self.model.lm_head.weight
+        logp, _ = ops.token_logprobs(hidden, weight, tokens.to(weight.device), self.temperature)
+        for b, value in zip(batch, logp.float().cpu().split(1), strict=True):
+            self.logprobs[b].append(value)
+
+
+def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler, scorer: _Scorer) -> float:
     """Prefill all prompts in one step, then one token per live sequence per step.
     Returns the time prefill ended."""
     cache = new_cache(model.config.num_hidden_layers)
     seqs = [cache.add_sequence() for _ in prompts]
     step = forward_cached(model, cache, seqs, prompts, last_only=True)
-    tokens = sampler(step.logits).tolist()
+    chosen = sampler(step.logits)
+    scorer(step, range(len(prompts)), chosen)
+    tokens = chosen.tolist()
     t_prefill = time.perf_counter()
     live = []
     for b, t in enumerate(tokens):
@@ -242,7 +310,9 @@ def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler) -> float:
         step = forward_cached(
             model, cache, [seqs[b] for b in live], [[run.out[b][-1]] for b in live], last_only=True
         )
-        tokens = sampler(step.logits).tolist()
+        chosen = sampler(step.logits)
+        scorer(step, live, chosen)
+        tokens = chosen.tolist()
         still = []
         for b, t in zip(live, tokens, strict=True):
             if run.emit(b, [t]):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import glmport.ops as ops
+from glmport.core.errors import ConfigError
 from glmport.core.prepared import PreparedWeight
 
+from .choices import INDICES, ROUTING, active_tape
 from .config import GlmMoeDsaConfig
 
 log = logging.getLogger("glmport")
@@ -124,7 +126,10 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid router with a score-correction bias that only steers the choice."""
+    """Sigmoid router with a score-correction bias that only steers the choice.
+
+    Under a :func:`~glmport.model.choices.choice_tape` replaying routing, the experts
+    come from the tape and only their weights are computed (:meth:`weights_for`)."""
 
     def __init__(self, config: GlmMoeDsaConfig) -> None:
         super().__init__()
@@ -133,18 +138,42 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights ``[T, k]`` fp32 and expert ids ``[T, k]`` int32."""
         c = self.config
         logits = F.linear(x.float(), self.weight.float())
-        return ops.moe_gate(
-            logits,
-            self.e_score_correction_bias.float(),
-            c.num_experts_per_tok,
-            c.n_group,
-            c.topk_group,
-            c.routed_scaling_factor,
-            c.norm_topk_prob,
-            "sigmoid",
-        )
+        tape = active_tape()
+        if tape is not None and tape.replays(ROUTING, self):
+            ids = tape.replayed(ROUTING, self)
+            if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < c.n_routed_experts):
+                raise ConfigError(
+                    f"replayed routing holds expert ids outside [0, {c.n_routed_experts})"
+                )
+            weights, ids = self.weights_for(logits, ids), ids.to(torch.int32)
+        else:
+            weights, ids = ops.moe_gate(
+                logits,
+                self.e_score_correction_bias.float(),
+                c.num_experts_per_tok,
+                c.n_group,
+                c.topk_group,
+                c.routed_scaling_factor,
+                c.norm_topk_prob,
+                "sigmoid",
+            )
+        if tape is not None and tape.tracks(ROUTING, self):
+            tape.record(ROUTING, self, ids)
+        return weights, ids
+
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``moe_gate``'s weights ``[T, k]`` fp32 for given expert ``ids [T, k]``:
+        sigmoid scores of those experts (the correction bias only chooses), normalised
+        if ``norm_topk_prob``, times ``routed_scaling_factor``; differentiable in
+        ``logits [T, E]`` fp32."""
+        c = self.config
+        weights = torch.sigmoid(logits).gather(1, ids.long())
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor
 
 
 def packed_weight(module: nn.Module, name: str) -> torch.Tensor | PreparedWeight:
@@ -247,14 +276,39 @@ class Indexer(nn.Module):
         return q, self.weights_proj(h).float() * scale
 
     def select(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
-        """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible)."""
+        """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible).
+
+        Each sequence's keys are a contiguous run from ``k_start``, so a slot less
+        ``k_start`` is the key's position in its sequence: what a
+        :func:`~glmport.model.choices.choice_tape` records and replays."""
         c = self.config
-        q, weights = self.queries(h, q_res, cos, sin)
-        with torch.no_grad():  # a selection, not a differentiable quantity
-            indices, _ = ops.lightning_indexer(
-                q.detach(), keys.detach(), weights.detach(), k_start, k_end, c.index_topk
-            )
+        tape = active_tape()
+        if tape is not None and tape.replays(INDICES, self):
+            indices = _replayed_slots(tape.replayed(INDICES, self), k_start, k_end)
+        else:
+            q, weights = self.queries(h, q_res, cos, sin)
+            with torch.no_grad():  # a selection, not a differentiable quantity
+                indices, _ = ops.lightning_indexer(
+                    q.detach(), keys.detach(), weights.detach(), k_start, k_end, c.index_topk
+                )
+        if tape is not None and tape.tracks(INDICES, self):
+            tape.record(INDICES, self, torch.where(indices >= 0, indices - k_start[:, None], -1))
         return indices
+
+
+def _replayed_slots(
+    positions: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
+) -> torch.Tensor:
+    """Replayed key ``positions [T, K]`` (``-1``: none) as slots of the packed keys,
+    refusing a position the query cannot see (a record of another prompt)."""
+    visible = (k_end - k_start).long()[:, None]
+    if bool(((positions < -1) | (positions >= visible)).any()):
+        row = int(((positions < -1) | (positions >= visible)).any(dim=1).nonzero()[0, 0])
+        raise ConfigError(
+            f"replayed indexer positions {positions[row].tolist()} for a query that sees "
+            f"{int(visible[row, 0])} keys: the record does not belong to these tokens"
+        )
+    return torch.where(positions >= 0, positions + k_start.long()[:, None], -1).to(torch.int32)
 
 
 @dataclass
@@ -472,8 +526,16 @@ class GlmMoeDsaModel(nn.Module):
         """Last-layer hidden states ``[T, hidden]`` of the packed tokens (before the norm)."""
         cos, sin = self.rope(batch.positions)
         x = self.embed_tokens(batch.ids)
-        for layer in self.decoder_layers:
-            x = layer(x, batch, cos, sin)
+        tape = active_tape()
+        # A choice tape names each token by its batch row and position.
+        rows = (
+            nullcontext()
+            if tape is None
+            else tape.rows(batch.flat // batch.seq_len, batch.positions)
+        )
+        with rows:
+            for layer in self.decoder_layers:
+                x = layer(x, batch, cos, sin)
         return x
 
 

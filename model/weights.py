@@ -252,9 +252,10 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def _carry_over(old: Path, new: Path) -> None:
     """Put ``old``'s files that are not part of a checkpoint (a tokenizer, a README) in
-    ``new`` too: replacing a checkpoint must not delete what was saved beside it."""
+    ``new`` too: replacing a checkpoint must not delete what was saved beside it. A
+    name the new save wrote itself is the new save's."""
     for entry in old.iterdir():
-        if CHECKPOINT_NAMES.match(entry.name):
+        if CHECKPOINT_NAMES.match(entry.name) or (new / entry.name).exists():
             continue
         if entry.is_symlink():
             os.symlink(os.readlink(entry), new / entry.name)
