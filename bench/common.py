@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: timing, peak-memory probes, result files; and
-for the backend benchmarks (``bench/cuda.py``, ``bench/ascend.py``) GLM-5's op shapes,
-their seeded inputs, agreement with the generic backend and the command line."""
+for the backend benchmarks (``bench/cuda_backend.py``, ``bench/ascend_backend.py``)
+GLM-5's op shapes, their seeded inputs, agreement with the generic backend and the
+command line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``bench/ascend.py``: the Ascend benchmark runs end to end on tiny shapes against the
+"""``bench/ascend_backend.py``: the Ascend benchmark runs end to end on tiny shapes against the
 emulated torch_npu ops (``--smoke``), so it is known to work before an NPU sees it;
 its agreement rule (``compare`` within the op's tolerance, integer outputs exactly,
 NaN never agrees) and its report of calls the ascend backend does not serve or fails."""
@@ -17,7 +17,7 @@ import torch
 
 from glmport.backends.ascend import BACKEND
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "ascend.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "ascend_backend.py"
 SECTIONS = {"attention", "indexer", "moe", "quant", "norm_rope"}
 
 

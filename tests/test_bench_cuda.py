@@ -1,4 +1,4 @@
-"""``bench/cuda.py``: the GPU benchmark runs end to end on tiny shapes through the
+"""``bench/cuda_backend.py``: the GPU benchmark runs end to end on tiny shapes through the
 Triton interpreter (``--smoke``), so it is known to work before a GPU sees it, and its
 floors are judged as the issue sets them."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cuda.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cuda_backend.py"
 
 
 def test_smoke_run_covers_every_section_and_agrees_with_generic(tmp_path):

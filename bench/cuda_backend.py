@@ -24,7 +24,7 @@ they select). The floors of issue 10 are judged at the end: every kernel faster 
 generic, decode at 64K context >= 50% of HBM peak, grouped GEMM >= 70% of bf16 matmul,
 FP8-block GEMM faster than bf16 matmul.
 
-Run on a GPU: ``python bench/cuda.py`` (writes ``bench/results/cuda.json``);
+Run on a GPU: ``python bench/cuda_backend.py`` (writes ``bench/results/cuda.json``);
 ``--only decode,gemm`` runs some sections; ``--smoke`` runs everything on tiny shapes
 on the CPU through the Triton interpreter (minutes, CI runs it): the script is known
 to work before a GPU sees it, its timings mean nothing and no floor is judged.
@@ -40,20 +40,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# Run as a script this folder is sys.path[0], where torch.cuda's `import cuda.bindings`
-# (cuda-python's package name) would find this file: out of the path until torch loads.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+import torch
 
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
 
-sys.path.insert(0, str(HERE))  # its helpers
+import common
+from common import Glm5Sizes, environment, markdown_table, randn, table
 
-import common  # noqa: E402
-from common import Glm5Sizes, environment, markdown_table, randn, table  # noqa: E402
-
-import glmport  # noqa: E402
-from glmport.core.tolerance import Tolerance  # noqa: E402
+import glmport
+from glmport.core.tolerance import Tolerance
 
 SECTIONS = ("decode", "prefill", "indexer", "gemm", "ops")
 # Peak HBM bandwidth (TB/s) and dense bf16 / fp8 tensor TFLOPS, by device name.

@@ -24,7 +24,7 @@ generic's median, the speedup, and agreement with generic by
 outputs by the scores they select, router weights sorted per token, integer outputs
 exactly). A call that raises on ascend is reported and fails the run, which goes on.
 
-Run on an Ascend NPU (torch_npu and CANN installed): ``python bench/ascend.py`` (writes
+Run on an Ascend NPU (torch_npu and CANN installed): ``python bench/ascend_backend.py`` (writes
 ``bench/results/ascend.json``); ``--only attention,moe`` runs some sections;
 ``--smoke`` runs everything on tiny shapes on the CPU against the emulated torch_npu
 ops (``GLMPORT_EMULATE=1`` semantics; CI runs it): the script is known to work before
@@ -41,22 +41,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# Run as a script this folder is sys.path[0], where torch.cuda's `import cuda.bindings`
-# would find bench/cuda.py: out of the path until torch loads.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+import torch
 
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
 
-sys.path.insert(0, str(HERE))  # its helpers
+import common
+from common import Glm5Sizes, environment, markdown_table, randn, table
 
-import common  # noqa: E402
-from common import Glm5Sizes, environment, markdown_table, randn, table  # noqa: E402
-
-import glmport  # noqa: E402
-from glmport.core.selection import resolve  # noqa: E402
-from glmport.core.specs import SPECS  # noqa: E402
-from glmport.core.tolerance import Comparison, tolerance  # noqa: E402
+import glmport
+from glmport.core.selection import resolve
+from glmport.core.specs import SPECS
+from glmport.core.tolerance import Comparison, tolerance
 
 SECTIONS = ("attention", "indexer", "moe", "quant", "norm_rope")
 
