@@ -278,13 +278,19 @@ class Indexer(nn.Module):
     def select(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
         """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible).
 
-        Each sequence's keys are a contiguous run from ``k_start``, so a slot less
+        When no query sees more than ``index_topk`` keys the indexer would pick them
+        all, so it is not run (short sequences, GLM-5's RL samples among them). Each
+        sequence's keys are a contiguous run from ``k_start``, so a slot less
         ``k_start`` is the key's position in its sequence: what a
         :func:`~glmport.model.choices.choice_tape` records and replays."""
         c = self.config
         tape = active_tape()
         if tape is not None and tape.replays(INDICES, self):
             indices = _replayed_slots(tape.replayed(INDICES, self), k_start, k_end)
+        elif not k_start.numel() or int((k_end - k_start).max()) <= c.index_topk:
+            # Every query sees at most top-k keys: the indexer would select them all.
+            visible = visible_slots(k_start, k_end)
+            indices = F.pad(visible, (0, c.index_topk - visible.shape[1]), value=-1)
         else:
             q, weights = self.queries(h, q_res, cos, sin)
             with torch.no_grad():  # a selection, not a differentiable quantity
