@@ -1,5 +1,5 @@
 """The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``,
-``glmport generate``.
+``glmport generate``, ``glmport rl train``.
 
 Bad input never ends in a traceback: a malformed argument, ``GLMPORT_*`` variable,
 checkpoint or selection is one line on stderr, ``glmport: error: ...``, and exit
@@ -347,6 +347,72 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overrides(text: str) -> dict:
+    """``key=value,...`` model config overrides; values are ints, floats or words."""
+    out: dict = {}
+    for item in filter(None, text.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value pairs, got {item!r}")
+        for kind in (int, float):
+            try:
+                out[key.strip()] = kind(raw)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key.strip()] = {"true": True, "false": False}.get(raw.lower(), raw)
+    return out
+
+
+def _cmd_rl_train(args: argparse.Namespace) -> int:
+    from glmport.rl.run import train
+    from glmport.rl.trainer import RLConfig
+
+    _check_environment()
+    if args.resume:
+        given = [f for f in ("task", "digits", "opd_teacher", "init") if getattr(args, f)]
+        if given:
+            raise ConfigError(
+                f"--resume continues the run in --out with its own settings; drop "
+                f"{', '.join('--' + f.replace('_', '-') for f in given)} (only --steps may change)"
+            )
+        records = train(None, args.out, resume=True, steps=args.steps, progress=not args.quiet)
+    else:
+        config = RLConfig(
+            **({} if args.task is None else {"task": args.task}),
+            task_args={} if args.digits is None else {"digits": args.digits},
+            **({} if args.steps is None else {"steps": args.steps}),
+            prompts_per_step=args.prompts,
+            group_size=args.group_size,
+            minibatches=args.minibatches,
+            lr=args.lr,
+            temperature=args.temperature,
+            icepop_beta=args.icepop_beta or None,
+            kl_coef=args.kl_coef,
+            kl_decay_steps=args.kl_decay_steps,
+            normalize_std=args.normalize_std,
+            rollout_backend=args.rollout_backend,
+            train_backend=args.train_backend,
+            rollout_dtype=args.rollout_dtype,
+            replay=tuple(filter(None, args.replay.split(","))),
+            opd_teacher=args.opd_teacher,
+            shuffle_rewards=args.shuffle_rewards,
+            init=args.init,
+            model=args.model,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            eval_every=args.eval_every,
+        )
+        records = train(config, args.out, progress=not args.quiet)
+    if records:
+        last = records[-1]
+        keys = ("step", "reward", "mismatch_mean", "pop_fraction", "reverse_kl")
+        print("  ".join(f"{k} {last[k]:.4g}" for k in keys if last.get(k) is not None))
+    print(f"run folder: {args.out} (metrics.jsonl, curves.png, checkpoint/)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="glmport",
@@ -427,6 +493,88 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", default=None, help="glmport backend (default: the selection)")
     gen.add_argument("--json", action="store_true", help="print machine-readable JSON")
     gen.set_defaults(func=_cmd_generate)
+
+    rl = sub.add_parser("rl", help="GLM-5's RL post-training on toy verifiable tasks")
+    rl_sub = rl.add_subparsers(dest="rl_command", required=True)
+    tr = rl_sub.add_parser(
+        "train",
+        help="GRPO + IcePop (or on-policy distillation) on a tiny GLM-5",
+        description="Synchronous RL: rollout on --rollout-backend in --rollout-dtype, "
+        "training on --train-backend in fp32, the mismatch between them reported every "
+        "step. Writes metrics.jsonl, curves.png and checkpoint/ into --out.",
+    )
+    from glmport.rl.trainer import DEFAULT_KL_COEF, DEFAULT_LR, DEFAULT_LR_DISTILL, RLConfig
+
+    d = RLConfig()
+    tr.add_argument("--task", choices=("reverse", "add"), default=None, help=f"default: {d.task}")
+    tr.add_argument("--digits", type=int, default=None, help="digits per number (task default)")
+    tr.add_argument("--steps", type=int, default=None, help=f"RL steps (default {d.steps})")
+    tr.add_argument("--prompts", type=int, default=d.prompts_per_step, help="prompts per step")
+    tr.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
+    tr.add_argument(
+        "--minibatches", type=int, default=d.minibatches, help="optimizer steps per rollout"
+    )
+    tr.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"Adam learning rate ({DEFAULT_LR:g}, {DEFAULT_LR_DISTILL:g} when distilling)",
+    )
+    tr.add_argument("--temperature", type=float, default=d.temperature, help="rollout temperature")
+    tr.add_argument(
+        "--icepop-beta", type=float, default=d.icepop_beta, help="IcePop band [1/b, b] (0: off)"
+    )
+    tr.add_argument(
+        "--kl-coef",
+        type=float,
+        default=None,
+        help=f"k3 KL to the initial policy ({DEFAULT_KL_COEF:g}, 0 when distilling; GLM-5: 0)",
+    )
+    tr.add_argument(
+        "--kl-decay-steps",
+        type=int,
+        default=d.kl_decay_steps,
+        help=f"steps over which the KL coefficient decays linearly to a fifth ({d.kl_decay_steps}; "
+        "0: constant)",
+    )
+    tr.add_argument(
+        "--normalize-std",
+        action=argparse.BooleanOptionalAction,
+        default=d.normalize_std,
+        help="divide GRPO advantages by the group's std (GLM-5: no)",
+    )
+    tr.add_argument("--rollout-backend", default=None, help="default: the selection")
+    tr.add_argument("--train-backend", default=None, help="default: the selection")
+    tr.add_argument("--rollout-dtype", choices=("fp32", "bf16", "fp16"), default=d.rollout_dtype)
+    tr.add_argument(
+        "--replay",
+        default="",
+        help="rollout choices the training forward replays: routing, indices or both "
+        "(comma-separated)",
+    )
+    tr.add_argument("--opd-teacher", default=None, help="checkpoint folder: distil it")
+    tr.add_argument("--init", default=None, help="checkpoint folder to start the policy from")
+    tr.add_argument("--shuffle-rewards", action="store_true", help="control: permuted rewards")
+    tr.add_argument(
+        "--model",
+        type=_overrides,
+        default={},
+        help="tiny GLM-5 overrides, e.g. index_topk=4,hidden_size=96",
+    )
+    tr.add_argument("--out", required=True, help="run folder")
+    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"
+    )
+    tr.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="steps between greedy evaluations on held-out prompts (0: none)",
+    )
+    tr.add_argument("--resume", action="store_true", help="continue the run in --out")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_cmd_rl_train)
     return parser
 
 

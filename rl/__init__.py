@@ -1,2 +1,13 @@
-"""glmport.rl: GRPO with IcePop, asynchronous RL with double-sided importance
-sampling, on-policy distillation. Not built yet."""
+"""glmport.rl: GLM-5's post-training RL on the tiny GLM-5 of :mod:`glmport.model`.
+
+- :mod:`~glmport.rl.losses`: GRPO advantages, the PPO clip with IcePop, GLM-5's
+  normalisation, double-sided importance sampling, on-policy distillation, KL terms.
+- :mod:`~glmport.rl.tasks`: verifiable toy tasks (digit reversal, addition).
+- :mod:`~glmport.rl.trainer`: the synchronous trainer (rollout and training on any
+  backends and dtypes, the mismatch measured every step, choice replay, checkpoints).
+- :mod:`~glmport.rl.run` / :mod:`~glmport.rl.report`: a run's progress bar, metrics
+  and curves (``glmport rl train``).
+
+Importing this package imports no optional dependency; rich and matplotlib (the
+``rl`` extra) load when a run draws its progress bar or curves.
+"""

@@ -1,0 +1,189 @@
+"""Run outputs of the RL demonstrations: a metrics JSONL file and a PNG of the curves."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from glmport.core.errors import ConfigError
+
+__all__ = ["MetricsLog", "plot_curves"]
+
+
+def _plain(value: Any, key: str) -> Any:
+    """``value`` as a JSON-ready Python object; non-finite floats become None (null)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(
+                f"metric '{key}' must be a scalar, got a tensor of shape {tuple(value.shape)}"
+            )
+        value = value.item()
+    elif hasattr(value, "item") and hasattr(value, "dtype"):
+        # numpy scalars and 0-d arrays, without importing numpy here
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, key) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{key}.{k}") for k, v in value.items()}
+    raise ConfigError(
+        f"metric '{key}' must be a number, string, scalar tensor, list or dict, "
+        f"got {type(value).__name__}"
+    )
+
+
+class MetricsLog:
+    """Append-only JSON-lines metrics file, one record per line, flushed on every write.
+
+    NaN and infinities are written as ``null`` (JSON has no NaN) so a diverging run
+    keeps logging. Usable as a context manager, which closes the file.
+    """
+
+    def __init__(self, path: Path, *, append: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a" if append else "w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one JSON line.
+
+        Values may be Python numbers, strings, None, 0-d / one-element tensors, numpy
+        scalars, or lists / dicts of those; non-finite floats are written as null.
+        """
+        if not isinstance(record, dict):
+            raise ConfigError(f"argument 'record' must be a dict, got {type(record).__name__}")
+        if self._file.closed:
+            raise ConfigError(f"MetricsLog for {self.path} is closed; open a new one to write")
+        line = {str(k): _plain(v, str(k)) for k, v in record.items()}
+        self._file.write(json.dumps(line, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._file.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        """All records of a metrics file, in order; blank lines are skipped, null stays None."""
+        records = []
+        with Path(path).open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ConfigError(
+                        f"metrics file {path} line {lineno} is not valid JSON: {err}"
+                    ) from err
+        return records
+
+
+# The reward panel's series: the rollouts' mean reward, the greedy held-out evaluation.
+REWARD_KEYS = ("reward", "eval_reward")
+
+
+def _series(records: list[dict[str, Any]], key: str) -> list[float]:
+    out = []
+    for r in records:
+        v = r.get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        out.append(float(v) if ok else math.nan)
+    return out
+
+
+def _present(records: list[dict[str, Any]], key: str) -> bool:
+    return any(not math.isnan(v) for v in _series(records, key))
+
+
+def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") -> Path:
+    """Write a PNG of the training curves and return its path.
+
+    Two stacked panels sharing the x axis ``step`` (a record without ``step`` uses its
+    index): (1) :data:`REWARD_KEYS` (sparse ones, like ``eval_reward``, as joined points)
+    and ``reverse_kl`` (distillation) on a twin axis; (2) ``mismatch_mean`` and
+    ``mismatch_max`` (|delta logp| between training and rollout log-probs; log-scale y
+    when every drawn value is positive) with ``pop_fraction`` on a twin axis. Missing
+    keys and null values are not drawn.
+
+    Raises:
+        ConfigError: matplotlib is not installed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ConfigError(
+            "plot_curves needs matplotlib, which is not installed: pip install 'glmport[rl]'"
+        ) from err
+
+    out = Path(out)
+    xs = [
+        float(r["step"]) if isinstance(r.get("step"), (int, float)) else float(i)
+        for i, r in enumerate(records)
+    ]
+    # Figure + Agg canvas directly (no pyplot): no display and no global backend switch.
+    fig = Figure(figsize=(7, 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_reward, ax_mis = fig.subplots(2, 1, sharex=True)
+
+    for key in REWARD_KEYS:
+        if _present(records, key):
+            # Sparse series (an evaluation every few steps) as points joined over gaps.
+            pts = [(x, y) for x, y in zip(xs, _series(records, key), strict=True) if y == y]
+            ax_reward.plot(*zip(*pts, strict=True), label=key, marker="." if len(pts) < 100 else "")
+    ax_reward.set_ylabel("reward")
+    reward_handles, reward_labels = ax_reward.get_legend_handles_labels()
+    if _present(records, "reverse_kl"):
+        ax_kl = ax_reward.twinx()
+        ax_kl.plot(xs, _series(records, "reverse_kl"), color="tab:purple", label="reverse_kl")
+        ax_kl.set_ylabel("reverse KL to the teacher")
+        h, lab = ax_kl.get_legend_handles_labels()
+        reward_handles, reward_labels = reward_handles + h, reward_labels + lab
+    if reward_handles:
+        ax_reward.legend(reward_handles, reward_labels, loc="best")
+
+    drawn: list[float] = []
+    for key in ("mismatch_mean", "mismatch_max"):
+        if _present(records, key):
+            ys = _series(records, key)
+            ax_mis.plot(xs, ys, label=key)
+            drawn += [y for y in ys if not math.isnan(y)]
+    if drawn and all(y > 0 for y in drawn):
+        ax_mis.set_yscale("log")
+    ax_mis.set_ylabel("|delta logp|")
+    handles, labels = ax_mis.get_legend_handles_labels()
+    if _present(records, "pop_fraction"):
+        ax_pop = ax_mis.twinx()
+        ax_pop.plot(xs, _series(records, "pop_fraction"), color="tab:red", label="pop_fraction")
+        ax_pop.set_ylabel("pop_fraction")
+        h, lab = ax_pop.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    if handles:
+        ax_mis.legend(handles, labels, loc="best")
+    ax_mis.set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out

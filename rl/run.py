@@ -1,0 +1,112 @@
+"""An RL run with its outputs: a progress bar, ``metrics.jsonl``, ``curves.png`` and
+a resumable checkpoint in the out dir (what ``glmport rl train`` does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from glmport.core.errors import ConfigError
+
+from .report import MetricsLog, plot_curves
+from .trainer import CHECKPOINT, RLConfig, Trainer
+
+METRICS = "metrics.jsonl"
+CURVES = "curves.png"
+# Shown beside the progress bar, in this order, when a step reports them.
+_LIVE = (
+    ("reward", "reward"),
+    ("eval_reward", "eval"),
+    ("mismatch_mean", "|dlogp|"),
+    ("reverse_kl", "rev-KL"),
+)
+
+
+def train(
+    config: RLConfig | None,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    steps: int | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Run ``config`` writing into ``out``, or continue the run in ``out``.
+
+    Args:
+        config: the run (ignored with ``resume``, which reads the checkpoint's).
+        out: the run folder: ``metrics.jsonl`` (one JSON line per step),
+            ``curves.png`` (reward and mismatch against step), ``checkpoint/``.
+        resume: continue from ``out/checkpoint``; metrics past the checkpoint's step
+            (written after it, by a run that then stopped) are dropped first.
+        steps: with ``resume``, a new total number of steps.
+        progress: draw a rich progress bar on the terminal.
+
+    Returns:
+        The metrics of every step in ``out/metrics.jsonl``.
+    """
+    out = Path(out)
+    metrics_path = out / METRICS
+    if resume:
+        trainer = Trainer.resume(
+            out / CHECKPOINT, out, **({} if steps is None else {"steps": steps})
+        )
+        kept = [r for r in _read(metrics_path) if r.get("step", 0) <= trainer.step_index]
+        with MetricsLog(metrics_path) as log:
+            for record in kept:
+                log.write(record)
+    else:
+        if config is None:
+            raise ConfigError("train: a config is needed unless resuming")
+        if (out / CHECKPOINT).exists():
+            raise ConfigError(
+                f"{out} already holds a run; resume it (--resume) or choose another --out"
+            )
+        trainer = Trainer(config, out)
+        MetricsLog(metrics_path).close()
+    title = f"{trainer.task.describe()}, seed {trainer.config.seed}"
+    with MetricsLog(metrics_path, append=True) as log:
+        if progress:
+            _run_with_progress(trainer, log)
+        else:
+            trainer.run(log.write)
+    records = _read(metrics_path)
+    if records:
+        plot_curves(records, out / CURVES, title=title)
+    return records
+
+
+def _read(path: Path) -> list[dict]:
+    return MetricsLog.read(path) if path.is_file() else []
+
+
+def _run_with_progress(trainer: Trainer, log: MetricsLog) -> None:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("[bold]rl[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[live]}"),
+    )
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task(
+            trainer.config.task,
+            total=trainer.config.steps,
+            completed=trainer.step_index,
+            live="",
+        )
+
+        def on_step(metrics: dict) -> None:
+            log.write(metrics)
+            live = "  ".join(f"{name} {metrics[k]:.3f}" for k, name in _LIVE if k in metrics)
+            bar.update(task, completed=trainer.step_index, live=live)
+
+        trainer.run(on_step)

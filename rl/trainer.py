@@ -1,0 +1,487 @@
+"""The synchronous GRPO + IcePop trainer (GLM-5's reasoning RL) and on-policy distillation.
+
+One step:
+
+1. **Rollout** on the rollout backend and dtype: ``group_size`` samples of each of
+   ``prompts_per_step`` task prompts, with each token's log-probability under the
+   sampling distribution (``token_logprobs``) and, for replay, the discrete choices
+   (routed experts, indexer selections) the rollout made.
+2. **Old log-probabilities** recomputed on the training backend (``theta_old``, no
+   grad), replaying the recorded choices if asked: their difference from the rollout's
+   is the train/inference mismatch IcePop corrects, reported every step.
+3. **Updates**: the rollout split into ``minibatches`` (>= 2, so the PPO clip acts),
+   each an Adam step with gradient-norm clipping on the GRPO + IcePop loss (or, with a
+   teacher, the on-policy distillation advantage).
+
+The rollout policy is a copy of the trained one in the rollout dtype, refreshed after
+every step (its ``version`` counts the refreshes). Every random draw of step ``s``
+comes from generators seeded by ``(seed, s)``, so a run resumed from a checkpoint
+reproduces the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import glmport
+from glmport.core.errors import ConfigError
+from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from glmport.model.choices import KINDS
+from glmport.model.generation import generate
+from glmport.model.scoring import continuation_logprobs
+from glmport.model.weights import atomic_folder
+
+from .losses import (
+    group_advantages,
+    grpo_icepop_loss,
+    kl_penalty,
+    mismatch_stats,
+    opd_advantages,
+)
+from .tasks import Task, make_task, shuffled_rewards
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CHECKPOINT = "checkpoint"
+# Adam's learning rate (``lr`` None): distillation's per-token advantages are large
+# (log-prob gaps of several nats), so it steps more gently.
+DEFAULT_LR = 2e-3
+DEFAULT_LR_DISTILL = 5e-4
+DEFAULT_KL_COEF = 0.1
+# The KL coefficient never decays below this fraction of its start: with none left, a
+# near-deterministic policy's rare differing samples drive Adam's steps and undo it.
+KL_FLOOR = 0.2
+
+
+@dataclass
+class RLConfig:
+    """Everything that defines a run (saved with each checkpoint).
+
+    The policy is a tiny GLM-5 (:meth:`GlmMoeDsaConfig.tiny` with the task's
+    vocabulary and ``model`` overrides) unless ``init`` names a checkpoint folder.
+    ``replay``: the kinds of rollout choices the training forward replays
+    (``"routing"``, ``"indices"``). ``opd_teacher``: a checkpoint folder; the
+    advantage becomes ``sg[log pi_teacher - log pi_train]`` per token (reward unused).
+    ``shuffle_rewards``: the control run (rewards permuted across samples).
+    ``lr`` None: 2e-3, or 5e-4 when distilling.
+    ``eval_every``: steps between greedy evaluations on held-out prompts (0: never;
+    also after the last step), reported as ``eval_reward``.
+
+    The defaults learn the toy tasks from random initialisation (docs/rl.md): GLM-5's
+    clip and IcePop settings, plus two changes a randomly initialised policy needs —
+    a k3 KL to the initial (near-uniform) policy, which keeps it exploring instead of
+    collapsing onto a partial answer (``kl_coef`` None: 0.1, or 0 when distilling,
+    where the teacher is the anchor), decayed linearly to a fifth of that over
+    ``kl_decay_steps`` (0: constant) so the policy can sharpen once it has found the
+    answer; and
+    advantages divided by the group's std. GLM-5 itself uses neither (``kl_coef=0``,
+    ``normalize_std=False``).
+    """
+
+    task: str = "reverse"
+    task_args: dict = field(default_factory=dict)
+    steps: int = 100
+    prompts_per_step: int = 32
+    group_size: int = 8
+    minibatches: int = 2
+    lr: float | None = None
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    icepop_beta: float | None = 2.0
+    normalize_std: bool = True
+    kl_kind: str = "k3"
+    kl_coef: float | None = None
+    kl_decay_steps: int = 600
+    rollout_backend: str | None = None
+    train_backend: str | None = None
+    rollout_dtype: str = "fp32"
+    replay: tuple[str, ...] = ()
+    opd_teacher: str | None = None
+    shuffle_rewards: bool = False
+    init: str | None = None
+    model: dict = field(default_factory=dict)
+    seed: int = 0
+    checkpoint_every: int = 25
+    eval_every: int = 25
+    eval_prompts: int = 256
+
+    def __post_init__(self) -> None:
+        self.replay = tuple(self.replay)
+        lowest = {"steps": 0, "prompts_per_step": 1, "group_size": 1, "minibatches": 1}
+        lowest.update(checkpoint_every=1, eval_every=0, eval_prompts=1, kl_decay_steps=0)
+        for name, low in lowest.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.minibatches > self.prompts_per_step * self.group_size:
+            raise ConfigError(
+                f"minibatches ({self.minibatches}) exceeds the samples per step "
+                f"({self.prompts_per_step * self.group_size})"
+            )
+        if self.lr is None:
+            self.lr = DEFAULT_LR_DISTILL if self.opd_teacher is not None else DEFAULT_LR
+        for name in ("lr", "grad_clip", "temperature"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be finite and > 0, got {value!r}")
+        if self.rollout_dtype not in DTYPES:
+            raise ConfigError(
+                f"rollout_dtype must be one of {', '.join(DTYPES)}, got {self.rollout_dtype!r}"
+            )
+        unknown = sorted(set(self.replay) - set(KINDS))
+        if unknown:
+            raise ConfigError(f"unknown replay kinds {unknown}; kinds: {', '.join(KINDS)}")
+        if self.kl_coef is None:
+            self.kl_coef = 0.0 if self.opd_teacher is not None else DEFAULT_KL_COEF
+        if not isinstance(self.kl_coef, (int, float)) or not 0 <= self.kl_coef < math.inf:
+            raise ConfigError(f"kl_coef must be finite and >= 0, got {self.kl_coef!r}")
+        for name in ("opd_teacher", "init"):
+            folder = getattr(self, name)
+            if folder is not None and not (Path(folder) / "config.json").is_file():
+                raise ConfigError(f"{name}: {folder!r} is not a checkpoint folder (no config.json)")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> RLConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"RL config: unknown fields {unknown}")
+        return cls(**data)
+
+
+def policy_config(task: Task, overrides: dict) -> GlmMoeDsaConfig:
+    """The tiny GLM-5 for ``task``: its vocabulary, no MTP layer, 2 decoder layers
+    (one dense, one MoE), RoPE base 100; ``overrides`` (GlmMoeDsaConfig fields) win.
+    The indexer's top-k covers the whole sequence by default: a task's answer needs
+    keys an untrained indexer would not pick (sequences shorter than ``index_topk``
+    are GLM-5's regime for short RL samples too); set ``index_topk`` lower to make
+    DSA select."""
+    unknown = sorted(set(overrides) - {f.name for f in fields(GlmMoeDsaConfig)})
+    if unknown:
+        raise ConfigError(f"model overrides: unknown GlmMoeDsaConfig fields {unknown}")
+    length = task.prompt_len + task.response_len
+    base = dict(
+        vocab_size=task.vocab_size,
+        num_hidden_layers=2,
+        num_nextn_predict_layers=0,
+        index_topk=length,
+        # Positions run to a dozen or so: a smaller base than GLM-5's 10^6 leaves the
+        # 8 rotary dims' frequencies able to tell them apart.
+        rope_theta=100.0,
+        max_position_embeddings=max(64, length),
+    )
+    return GlmMoeDsaConfig.tiny(**{**base, **overrides})
+
+
+def _seed_for(seed: int, step: int, stream: int) -> int:
+    """The seed of one purpose (``stream``) of step ``step`` of run ``seed``."""
+    return (seed * 1_000_003 + step * 7919 + stream * 104_729) % (1 << 63)
+
+
+def _generator(seed: int, step: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(_seed_for(seed, step, stream))
+
+
+@contextmanager
+def _backend(name: str | None) -> Iterator[None]:
+    with glmport.use_backend(name) if name else nullcontext():
+        yield
+
+
+class Trainer:
+    """Runs :class:`RLConfig`; :meth:`step` does one RL step, :meth:`save` /
+    :meth:`resume` checkpoint into ``out``."""
+
+    def __init__(self, config: RLConfig, out: str | Path | None = None) -> None:
+        self.config = config
+        self.out = None if out is None else Path(out)
+        self.task = make_task(config.task, **config.task_args)
+        for name in (config.rollout_backend, config.train_backend):
+            with _backend(name):  # an unknown or unavailable backend fails here, not mid-run
+                pass
+        if config.init is not None:
+            self.policy = GlmMoeDsaForCausalLM.from_pretrained(config.init, dtype=torch.float32)
+        else:
+            model_config = policy_config(self.task, config.model)
+            self.policy = GlmMoeDsaForCausalLM.from_config(model_config, seed=config.seed)
+        if self.policy.config.vocab_size < self.task.vocab_size:
+            raise ConfigError(
+                f"the policy's vocabulary ({self.policy.config.vocab_size}) is smaller than "
+                f"task {config.task!r}'s ({self.task.vocab_size})"
+            )
+        self.rollout_policy = copy.deepcopy(self.policy).to(DTYPES[config.rollout_dtype])
+        self.rollout_policy.requires_grad_(False)
+        self.teacher = None
+        if config.opd_teacher is not None:
+            self.teacher = GlmMoeDsaForCausalLM.from_pretrained(config.opd_teacher)
+            self.teacher.requires_grad_(False)
+            if self.teacher.config.vocab_size != self.policy.config.vocab_size:
+                raise ConfigError(
+                    f"the teacher's vocabulary ({self.teacher.config.vocab_size}) differs from "
+                    f"the student's ({self.policy.config.vocab_size})"
+                )
+        self.reference = None
+        if config.kl_coef > 0:
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
+        self.step_index = 0
+        self.version = 0
+
+    # -- one step ---------------------------------------------------------------------
+
+    def step(self) -> dict[str, float]:
+        """One rollout and its minibatch updates; returns the step's metrics."""
+        c = self.config
+        s = self.step_index
+        t0 = time.perf_counter()
+        problems = self.task.sample(c.prompts_per_step, _generator(c.seed, s, 0))
+        samples = [p for p in problems for _ in range(c.group_size)]
+        prompts = [list(p.prompt) for p in samples]
+        with _backend(c.rollout_backend), torch.no_grad():
+            result = generate(
+                self.rollout_policy,
+                prompts,
+                self.task.response_len,
+                greedy=False,
+                temperature=c.temperature,
+                seed=_seed_for(c.seed, s, 1),
+                return_logprobs=True,
+                record_choices=bool(c.replay),
+            )
+        t_rollout = time.perf_counter() - t0
+        responses = result.output_ids
+        rewards = torch.tensor(
+            [self.task.reward(p, r) for p, r in zip(samples, responses, strict=True)]
+        )
+        metrics: dict[str, float] = {
+            "step": s + 1,
+            "policy_version": self.version,
+            "reward": float(rewards.mean()),
+        }
+        if c.shuffle_rewards:
+            rewards = shuffled_rewards(rewards, _generator(c.seed, s, 2))
+        t1 = time.perf_counter()
+        replay = result.choices if c.replay else None
+        with _backend(c.train_backend), torch.no_grad():
+            old = continuation_logprobs(
+                self.policy,
+                prompts,
+                responses,
+                temperature=c.temperature,
+                replay=replay,
+                kinds=c.replay,
+            )
+        mask = old.mask
+        rollout_logp = torch.zeros_like(old.logprobs).masked_scatter(
+            mask, torch.cat(result.logprobs)
+        )
+        if self.teacher is not None:
+            with _backend(c.train_backend), torch.no_grad():
+                teacher = continuation_logprobs(
+                    self.teacher, prompts, responses, temperature=c.temperature
+                )
+            advantages = opd_advantages(teacher.logprobs, old.logprobs, mask)
+            gap = (old.logprobs - teacher.logprobs)[mask]
+            metrics["reverse_kl"] = float(gap.mean())
+        else:
+            advantages = group_advantages(rewards, c.group_size, normalize_std=c.normalize_std)
+        ref_logp = None
+        if self.reference is not None:
+            with _backend(c.train_backend), torch.no_grad():
+                ref_logp = continuation_logprobs(
+                    self.reference, prompts, responses, temperature=c.temperature
+                ).logprobs
+        mismatch = mismatch_stats(old.logprobs, rollout_logp, mask, c.icepop_beta or 2.0)
+        metrics.update(
+            mismatch_mean=float(mismatch.pop("logp_mismatch_mean")),
+            mismatch_max=float(mismatch.pop("logp_mismatch_max")),
+            entropy=float(old.entropy[mask].mean()),
+        )
+        metrics.update({k: float(v) for k, v in mismatch.items()})
+        updates = self._update(
+            prompts, responses, old.logprobs, rollout_logp, advantages, mask, replay, ref_logp, s
+        )
+        metrics.update(updates)
+        t_train = time.perf_counter() - t1
+        self.rollout_policy.load_state_dict(self.policy.state_dict())
+        self.version += 1
+        self.step_index += 1
+        tokens = int(mask.sum())
+        metrics.update(
+            rollout_tokens_per_s=tokens / t_rollout,
+            train_tokens_per_s=tokens * (1 + c.minibatches) / t_train,
+            step_seconds=time.perf_counter() - t0,
+        )
+        if c.eval_every and (self.step_index % c.eval_every == 0 or self.step_index == c.steps):
+            metrics["eval_reward"] = self.evaluate()
+        return metrics
+
+    def evaluate(self) -> float:
+        """Mean reward of greedy answers to ``eval_prompts`` held-out prompts (the same
+        every time: drawn from the run's seed, apart from the training prompts' draws),
+        on the rollout backend with the rollout policy."""
+        c = self.config
+        problems = self.task.sample(c.eval_prompts, _generator(c.seed, -1, 0))
+        with _backend(c.rollout_backend), torch.no_grad():
+            result = generate(
+                self.rollout_policy, [list(p.prompt) for p in problems], self.task.response_len
+            )
+        rewards = [self.task.reward(p, r) for p, r in zip(problems, result.output_ids, strict=True)]
+        return sum(rewards) / len(rewards)
+
+    def kl_weight(self, step: int) -> float:
+        """The KL penalty's coefficient at (0-based) ``step``: ``kl_coef``, decayed
+        linearly to ``KL_FLOOR * kl_coef`` at ``kl_decay_steps``, then constant."""
+        c = self.config
+        if not c.kl_decay_steps:
+            return c.kl_coef
+        return c.kl_coef * max(KL_FLOOR, 1.0 - step / c.kl_decay_steps)
+
+    def _update(
+        self, prompts, responses, old_logp, rollout_logp, advantages, mask, replay, ref_logp, s
+    ):
+        c = self.config
+        order = torch.randperm(len(prompts), generator=_generator(c.seed, s, 3))
+        totals: dict[str, float] = {}
+        for part in order.tensor_split(c.minibatches):
+            rows = part.tolist()
+            with _backend(c.train_backend):
+                scored = continuation_logprobs(
+                    self.policy,
+                    [prompts[i] for i in rows],
+                    [responses[i] for i in rows],
+                    temperature=c.temperature,
+                    replay=None if replay is None else [replay[i] for i in rows],
+                    kinds=c.replay,
+                )
+                width = scored.logprobs.shape[1]
+                loss, stats = grpo_icepop_loss(
+                    scored.logprobs,
+                    old_logp[part, :width],
+                    rollout_logp[part, :width],
+                    advantages[part] if advantages.dim() == 1 else advantages[part, :width],
+                    mask[part, :width],
+                    eps_low=c.eps_low,
+                    eps_high=c.eps_high,
+                    beta=c.icepop_beta,
+                )
+                if ref_logp is not None:
+                    kl = kl_penalty(scored.logprobs, ref_logp[part, :width], c.kl_kind)
+                    m = mask[part, :width]
+                    kl_mean = (kl * m).sum() / m.sum().clamp(min=1)
+                    loss = loss + self.kl_weight(s) * kl_mean
+                    stats = {**stats, "kl": kl_mean.detach()}
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
+                self.optimizer.step()
+            stats = {**stats, "loss": loss.detach(), "grad_norm": norm}
+            for k, v in stats.items():
+                if k in ("clip_fraction", "ppo_kl", "loss", "grad_norm", "kl"):
+                    totals[k] = totals.get(k, 0.0) + float(v) / c.minibatches
+        return totals
+
+    # -- runs and checkpoints ----------------------------------------------------------
+
+    def run(self, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict]:
+        """Steps until ``config.steps``, checkpointing every ``checkpoint_every`` steps
+        and at the end when ``out`` is set; returns the metrics of the steps run."""
+        history = []
+        while self.step_index < self.config.steps:
+            metrics = self.step()
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+            done = self.step_index == self.config.steps
+            if self.out is not None and (
+                done or self.step_index % self.config.checkpoint_every == 0
+            ):
+                self.save()
+        return history
+
+    def save(self, folder: str | Path | None = None) -> Path:
+        """Write the policy (HF safetensors + config.json, loadable by
+        ``from_pretrained``), the optimizer state (safetensors) and ``state.json``
+        (step, policy version, RL config, optimizer hyper-parameters), atomically."""
+        folder = Path(folder) if folder is not None else self._checkpoint_dir()
+        tensors, groups = _optimizer_tensors(self.optimizer)
+        with atomic_folder(folder) as tmp:
+            self.policy.save_pretrained(tmp / "policy")
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            state = {
+                "step": self.step_index,
+                "policy_version": self.version,
+                "rl_config": self.config.to_json(),
+                # Step s draws only from generators seeded by (seed, s): this is the RNG state.
+                "rng": {"seed": self.config.seed, "next_step": self.step_index},
+                "optimizer_param_groups": groups,
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        return folder
+
+    def _checkpoint_dir(self) -> Path:
+        if self.out is None:
+            raise ConfigError("Trainer.save: no folder given and the trainer has no out dir")
+        return self.out / CHECKPOINT
+
+    @classmethod
+    def resume(cls, folder: str | Path, out: str | Path | None = None, **changes) -> Trainer:
+        """A trainer continuing the checkpoint in ``folder`` (as written by :meth:`save`);
+        ``changes`` may only raise ``steps``."""
+        folder = Path(folder)
+        state_file = folder / "state.json"
+        if not state_file.is_file():
+            raise ConfigError(f"{folder} is not an RL checkpoint (no state.json)")
+        state = json.loads(state_file.read_text())
+        data = state["rl_config"]
+        if set(changes) - {"steps"}:
+            raise ConfigError(f"resume may change only steps, got {sorted(changes)}")
+        config = RLConfig.from_json({**data, **changes})
+        trainer = cls(config, out)
+        loaded = GlmMoeDsaForCausalLM.from_pretrained(folder / "policy", dtype=torch.float32)
+        trainer.policy.load_state_dict(loaded.state_dict())
+        trainer.rollout_policy.load_state_dict(loaded.state_dict())
+        _load_optimizer(
+            trainer.optimizer,
+            load_file(str(folder / "optimizer.safetensors")),
+            state["optimizer_param_groups"],
+        )
+        trainer.step_index, trainer.version = state["step"], state["policy_version"]
+        if trainer.step_index > config.steps:
+            raise ConfigError(
+                f"the checkpoint is at step {trainer.step_index}, past steps={config.steps}"
+            )
+        return trainer
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:
+    """The optimizer's per-parameter state as flat named tensors and its param groups."""
+    state = optimizer.state_dict()
+    tensors = {
+        f"state.{index}.{name}": torch.as_tensor(value).clone().contiguous()
+        for index, per_param in state["state"].items()
+        for name, value in per_param.items()
+    }
+    return tensors, state["param_groups"]
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, groups: list) -> None:
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split(".", 2)
+        per_param.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
