@@ -115,6 +115,21 @@ def _present(records: list[dict[str, Any]], key: str) -> bool:
     return any(not math.isnan(v) for v in _series(records, key))
 
 
+def _twin_and_legend(
+    ax, xs: list[float], records: list[dict[str, Any]], key: str, color: str, label: str
+) -> None:
+    """Draw ``key`` on a twin y axis of ``ax`` when present; one legend for both axes."""
+    handles, labels = ax.get_legend_handles_labels()
+    if _present(records, key):
+        twin = ax.twinx()
+        twin.plot(xs, _series(records, key), color=color, label=key)
+        twin.set_ylabel(label)
+        h, lab = twin.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    if handles:
+        ax.legend(handles, labels, loc="best")
+
+
 def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") -> Path:
     """Write a PNG of the training curves and return its path.
 
@@ -152,15 +167,9 @@ def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") ->
             pts = [(x, y) for x, y in zip(xs, _series(records, key), strict=True) if y == y]
             ax_reward.plot(*zip(*pts, strict=True), label=key, marker="." if len(pts) < 100 else "")
     ax_reward.set_ylabel("reward")
-    reward_handles, reward_labels = ax_reward.get_legend_handles_labels()
-    if _present(records, "reverse_kl"):
-        ax_kl = ax_reward.twinx()
-        ax_kl.plot(xs, _series(records, "reverse_kl"), color="tab:purple", label="reverse_kl")
-        ax_kl.set_ylabel("reverse KL to the teacher")
-        h, lab = ax_kl.get_legend_handles_labels()
-        reward_handles, reward_labels = reward_handles + h, reward_labels + lab
-    if reward_handles:
-        ax_reward.legend(reward_handles, reward_labels, loc="best")
+    _twin_and_legend(
+        ax_reward, xs, records, "reverse_kl", "tab:purple", "reverse KL to the teacher"
+    )
 
     drawn: list[float] = []
     for key in ("mismatch_mean", "mismatch_max"):
@@ -171,15 +180,7 @@ def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") ->
     if drawn and all(y > 0 for y in drawn):
         ax_mis.set_yscale("log")
     ax_mis.set_ylabel("|delta logp|")
-    handles, labels = ax_mis.get_legend_handles_labels()
-    if _present(records, "pop_fraction"):
-        ax_pop = ax_mis.twinx()
-        ax_pop.plot(xs, _series(records, "pop_fraction"), color="tab:red", label="pop_fraction")
-        ax_pop.set_ylabel("pop_fraction")
-        h, lab = ax_pop.get_legend_handles_labels()
-        handles, labels = handles + h, labels + lab
-    if handles:
-        ax_mis.legend(handles, labels, loc="best")
+    _twin_and_legend(ax_mis, xs, records, "pop_fraction", "tab:red", "pop_fraction")
     ax_mis.set_xlabel("step")
     if title:
         fig.suptitle(title)
