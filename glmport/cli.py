@@ -281,7 +281,6 @@ def _parse_ids(text: str, flag: str) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from contextlib import nullcontext
     from pathlib import Path
 
     import glmport
@@ -311,7 +310,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--model must be 'tiny' or a checkpoint folder with config.json, got {args.model!r}"
         )
-    with glmport.use_backend(args.backend) if args.backend else nullcontext():
+    with glmport.use_backend(args.backend or None):
         result = generate(
             model,
             [input_ids],

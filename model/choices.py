@@ -94,7 +94,8 @@ class ChoiceTape:
     """Records every tracked choice made inside its block and replays given ones.
 
     Built by :func:`choice_tape`; forward drivers name the rows of each forward with
-    :meth:`rows`, modules call :meth:`experts` / :meth:`indices` around their choice.
+    :meth:`rows`; a choosing module asks :meth:`replays` / :meth:`replayed` before its
+    choice and hands it to :meth:`record` after.
     """
 
     def __init__(
@@ -133,17 +134,18 @@ class ChoiceTape:
         items = dict(enumerate(replay)) if isinstance(replay, Sequence) else dict(replay)
         if not items:
             raise ConfigError("choice_tape: replay holds no sequences")
+        for key, item in items.items():
+            if not isinstance(item, Choices):
+                raise ConfigError(
+                    f"choice_tape: replay[{key}] is a {type(item).__name__}, not Choices"
+                )
         keys = sorted(items)
         out = {}
         for kind in kinds:
             spec = self._layers[kind]
-            held = [items[k].get(kind) if isinstance(items[k], Choices) else None for k in keys]
+            expected = (len(spec.number), spec.width)
+            held = [items[k].get(kind) for k in keys]
             for key, tensor in zip(keys, held, strict=True):
-                expected = (len(spec.number), spec.width)
-                if not isinstance(items[key], Choices):
-                    raise ConfigError(
-                        f"choice_tape: replay[{key}] is a {type(items[key]).__name__}, not Choices"
-                    )
                 if tensor is None:
                     raise ConfigError(f"choice_tape: replay[{key}] holds no {kind} choices")
                 if tensor.dim() != 3 or (tensor.shape[0], tensor.shape[2]) != expected:

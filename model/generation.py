@@ -98,6 +98,17 @@ class Sampler:
         return torch.multinomial(x.softmax(dim=-1), 1, generator=self.gen).squeeze(1)
 
 
+def check_token_ids(what: str, row: object, vocab: int, *, non_empty: bool) -> None:
+    """Refuse a ``row`` that is not a list of Python int token ids in ``[0, vocab)``
+    (or is empty, when ``non_empty``), naming it as ``what``."""
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or (non_empty and not row):
+        kind = "a non-empty list" if non_empty else "a list"
+        raise ConfigError(f"{what} must be {kind} of token ids, got {row!r}")
+    bad = [t for t in row if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ConfigError(f"{what} has token ids outside [0, {vocab}): {bad[:5]}")
+
+
 def _validate(
     model,
     prompts: Sequence[Sequence[int]],
@@ -119,11 +130,7 @@ def _validate(
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ConfigError("prompts must be a non-empty list of token id lists")
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:
-            raise ConfigError(f"prompt {i} must be a non-empty list of token ids, got {prompt!r}")
-        bad = [t for t in prompt if not is_int(t) or not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        check_token_ids(f"prompt {i}", prompt, vocab, non_empty=True)
         limit = model.config.max_position_embeddings
         if len(prompt) + max_new_tokens > limit:
             raise ConfigError(

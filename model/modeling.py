@@ -308,8 +308,9 @@ def _replayed_slots(
     """Replayed key ``positions [T, K]`` (``-1``: none) as slots of the packed keys,
     refusing a position the query cannot see (a record of another prompt)."""
     visible = (k_end - k_start).long()[:, None]
-    if bool(((positions < -1) | (positions >= visible)).any()):
-        row = int(((positions < -1) | (positions >= visible)).any(dim=1).nonzero()[0, 0])
+    bad_rows = ((positions < -1) | (positions >= visible)).any(dim=1)
+    if bool(bad_rows.any()):
+        row = int(bad_rows.nonzero()[0, 0])
         raise ConfigError(
             f"replayed indexer positions {positions[row].tolist()} for a query that sees "
             f"{int(visible[row, 0])} keys: the record does not belong to these tokens"

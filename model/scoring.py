@@ -14,6 +14,7 @@ import glmport.ops as ops
 from glmport.core.errors import ConfigError
 
 from .choices import KINDS, Choices, choice_tape
+from .generation import check_token_ids
 from .modeling import pack
 
 
@@ -115,20 +116,9 @@ def _check(model, prompts, continuations, temperature) -> None:
     if not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
         raise ConfigError(f"temperature must be finite and > 0, got {temperature!r}")
     limit = model.config.max_position_embeddings
-    for name, rows in (("prompt", prompts), ("continuation", continuations)):
-        for b, row in enumerate(rows):
-            if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-                raise ConfigError(f"{name} {b} must be a list of token ids, got {row!r}")
-            bad = [
-                t
-                for t in row
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-            ]
-            if bad:
-                raise ConfigError(f"{name} {b} has token ids outside [0, {vocab}): {bad[:5]}")
     for b, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
-        if not p:
-            raise ConfigError(f"prompt {b} is empty")
+        check_token_ids(f"prompt {b}", p, vocab, non_empty=True)
+        check_token_ids(f"continuation {b}", c, vocab, non_empty=False)
         if len(p) + len(c) > limit:
             raise ConfigError(
                 f"prompt {b} + continuation ({len(p) + len(c)} tokens) exceeds "

@@ -25,8 +25,7 @@ import copy
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -196,12 +195,6 @@ def _generator(seed: int, step: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(_seed_for(seed, step, stream))
 
 
-@contextmanager
-def _backend(name: str | None) -> Iterator[None]:
-    with glmport.use_backend(name) if name else nullcontext():
-        yield
-
-
 class Trainer:
     """Runs :class:`RLConfig`; :meth:`step` does one RL step, :meth:`save` /
     :meth:`resume` checkpoint into ``out``."""
@@ -210,8 +203,9 @@ class Trainer:
         self.config = config
         self.out = None if out is None else Path(out)
         self.task = make_task(config.task, **config.task_args)
+        # An unknown or unavailable backend fails here, not mid-run.
         for name in (config.rollout_backend, config.train_backend):
-            with _backend(name):  # an unknown or unavailable backend fails here, not mid-run
+            with glmport.use_backend(name or None):
                 pass
         if config.init is not None:
             self.policy = GlmMoeDsaForCausalLM.from_pretrained(config.init, dtype=torch.float32)
@@ -251,7 +245,7 @@ class Trainer:
         problems = self.task.sample(c.prompts_per_step, _generator(c.seed, s, 0))
         samples = [p for p in problems for _ in range(c.group_size)]
         prompts = [list(p.prompt) for p in samples]
-        with _backend(c.rollout_backend), torch.no_grad():
+        with glmport.use_backend(c.rollout_backend or None), torch.no_grad():
             result = generate(
                 self.rollout_policy,
                 prompts,
@@ -276,7 +270,7 @@ class Trainer:
             rewards = shuffled_rewards(rewards, _generator(c.seed, s, 2))
         t1 = time.perf_counter()
         replay = result.choices if c.replay else None
-        with _backend(c.train_backend), torch.no_grad():
+        with glmport.use_backend(c.train_backend or None), torch.no_grad():
             old = continuation_logprobs(
                 self.policy,
                 prompts,
@@ -290,7 +284,7 @@ class Trainer:
             mask, torch.cat(result.logprobs)
         )
         if self.teacher is not None:
-            with _backend(c.train_backend), torch.no_grad():
+            with glmport.use_backend(c.train_backend or None), torch.no_grad():
                 teacher = continuation_logprobs(
                     self.teacher, prompts, responses, temperature=c.temperature
                 )
@@ -301,7 +295,7 @@ class Trainer:
             advantages = group_advantages(rewards, c.group_size, normalize_std=c.normalize_std)
         ref_logp = None
         if self.reference is not None:
-            with _backend(c.train_backend), torch.no_grad():
+            with glmport.use_backend(c.train_backend or None), torch.no_grad():
                 ref_logp = continuation_logprobs(
                     self.reference, prompts, responses, temperature=c.temperature
                 ).logprobs
@@ -336,7 +330,7 @@ class Trainer:
         on the rollout backend with the rollout policy."""
         c = self.config
         problems = self.task.sample(c.eval_prompts, _generator(c.seed, -1, 0))
-        with _backend(c.rollout_backend), torch.no_grad():
+        with glmport.use_backend(c.rollout_backend or None), torch.no_grad():
             result = generate(
                 self.rollout_policy, [list(p.prompt) for p in problems], self.task.response_len
             )
@@ -359,7 +353,7 @@ class Trainer:
         totals: dict[str, float] = {}
         for part in order.tensor_split(c.minibatches):
             rows = part.tolist()
-            with _backend(c.train_backend):
+            with glmport.use_backend(c.train_backend or None):
                 scored = continuation_logprobs(
                     self.policy,
                     [prompts[i] for i in rows],

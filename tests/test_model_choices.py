@@ -230,3 +230,21 @@ def test_greedy_logprobs_are_at_temperature_one(model):
     expected = logp[n - 1 : -1].gather(1, torch.tensor(result.output_ids[0])[:, None])[:, 0]
     torch.testing.assert_close(result.logprobs[0].double(), expected, atol=2e-5, rtol=0)
     assert ops  # the log-probabilities come from glmport.ops.token_logprobs
+
+
+@pytest.mark.parametrize(
+    ("prompts", "continuations", "message"),
+    [
+        ([], [], "prompts must be a non-empty list"),
+        ([[1]], [[2], [3]], "one token id list per prompt"),
+        ([[]], [[2]], r"prompt 0 must be a non-empty list of token ids, got \[\]"),
+        ([[1], "ab"], [[2], [3]], "prompt 1 must be a non-empty list of token ids"),
+        ([[1]], ["ab"], "continuation 0 must be a list of token ids"),
+        ([[1, 64]], [[2]], r"prompt 0 has token ids outside \[0, 64\): \[64\]"),
+        ([[1]], [[2, True, -1]], r"continuation 0 has token ids outside \[0, 64\): \[True, -1\]"),
+        ([[1] * 4000], [[2] * 97], "exceeds max_position_embeddings 4096"),
+    ],
+)
+def test_scoring_refuses_bad_token_lists(model, prompts, continuations, message):
+    with pytest.raises(ConfigError, match=message):
+        continuation_logprobs(model, prompts, continuations)
