@@ -219,18 +219,19 @@ def primary_backend(settings: Settings | None = None) -> str:
 
 
 def _auto(settings: Settings, device_type: str | None) -> str:
-    """The best available backend on real (not emulated) hardware for ``device_type``:
-    the highest-priority backend made for that device type, else the device-neutral
-    composite. With no device type (no tensors to follow): ``GLMPORT_DEVICE``'s type,
-    else the highest-priority accelerator present, else the CPU's. Equal priorities go
-    to the reference and composite backends, so a vendor backend takes over only by
-    declaring a higher priority."""
-    ranked: list[tuple[int, bool, str, str]] = []
+    """The fastest available backend on real (not emulated) hardware for
+    ``device_type``: the highest priority among the backends made for that device type
+    and the device-neutral composites (``generic``, priority 0); equal priorities go to
+    the composites, so a vendor backend takes over only by declaring a higher one. The
+    reference is the judge, not a runtime choice: it is picked only when nothing else
+    runs there. With no device type (no tensors to follow): ``GLMPORT_DEVICE``'s type,
+    else the highest-priority accelerator present, else the CPU's."""
+    ranked: list[tuple[int, bool, str, str, str]] = []
     for name in REGISTRY.names():
         avail = REGISTRY.availability(name, settings.emulate)
         if avail.ok and not avail.emulated:
             m = REGISTRY.get(name).manifest
-            ranked.append((m.priority, m.role != VENDOR, name, m.device_type))
+            ranked.append((m.priority, m.role != VENDOR, name, m.device_type, m.role))
     want = device_type
     if want is None and settings.device is not None:
         want = torch.device(settings.device).type
@@ -239,16 +240,13 @@ def _auto(settings: Settings, device_type: str | None) -> str:
         if hardware:
             return max(hardware)[2]
         want = "cpu"
-    exact = [r for r in ranked if r[3] == want]
-    if exact:
-        return max(exact)[2]
-    available = {r[2] for r in ranked}
-    for name in REGISTRY.with_role(COMPOSITE):
-        if name in available:
-            return name
+    runs_there = [r for r in ranked if r[3] in (want, ANY_DEVICE)]
+    pool = [r for r in runs_there if r[4] != REFERENCE] or runs_there
+    if pool:
+        return max(pool)[2]
     raise BackendUnavailableError(
         f"GLMPORT_BACKEND=auto: no available backend runs on {want} tensors "
-        f"(available: {', '.join(sorted(available)) or 'none'})"
+        f"(available: {', '.join(sorted(r[2] for r in ranked)) or 'none'})"
     )
 
 

@@ -16,6 +16,7 @@ import torch
 # own helpers in one mode for the whole process.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import glmport
 from glmport.core import shadow
 from glmport.core.selection import clear_cache
 
@@ -29,6 +30,14 @@ def _clean_glmport_env(monkeypatch: pytest.MonkeyPatch):
     yield
     clear_cache()
     shadow.reset()
+
+
+@pytest.fixture
+def reference_backend():
+    """Run the test on the cpu reference backend (``auto`` picks generic on a CPU):
+    the reference's own tests use it with ``pytestmark``."""
+    with glmport.use_backend("cpu"):
+        yield
 
 
 @pytest.fixture(scope="module")

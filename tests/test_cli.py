@@ -17,9 +17,9 @@ from glmport.core.specs import INTERFACE_NAMES
 def test_info_json_reports_backends_versions_and_every_op(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["selected_backend"] == "cpu"
+    assert info["selected_backend"] == "generic"  # auto on a CPU: the fast composite
     assert set(info["ops"]) == set(INTERFACE_NAMES)
-    assert all(r["backend"] == "cpu" for r in info["ops"].values())
+    assert all(r["backend"] == "generic" for r in info["ops"].values())
     names = {b["name"]: b for b in info["backends"]}
     assert names["cpu"]["available"] and len(names["cpu"]["ops"]) == len(INTERFACE_NAMES)
     assert names["cuda"]["available"] == torch.cuda.is_available() and names["cuda"]["reason"]

@@ -15,6 +15,8 @@ import torch
 import glmport
 from glmport.backends.cpu import float64_reference
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 # Output tolerances per dtype: the reference computes in fp32 and rounds the output once.
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),

@@ -14,6 +14,8 @@ import torch
 import glmport
 from glmport.backends.cpu import float64_reference
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 FP8 = torch.float8_e4m3fn
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 

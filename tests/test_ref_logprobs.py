@@ -12,6 +12,8 @@ import torch
 import glmport
 from glmport.backends.cpu import float64_reference
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -13,13 +13,9 @@ import torch
 import glmport
 from glmport.backends.cpu import float64_reference
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 ops = glmport.ops
-
-
-@pytest.fixture(autouse=True)
-def _cpu_backend():
-    with glmport.use_backend("cpu"):
-        yield
 
 
 # -- an independent definition of the formats --------------------------------------

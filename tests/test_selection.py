@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import glmport
+from glmport.backends.cpu import float64_reference
 from glmport.core import registry
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability
 from glmport.core.selection import current_settings, resolve, settings_from_env
@@ -22,7 +23,7 @@ class _ToyBackend(Backend):
     def __init__(
         self, name="toy", ops=("rms_norm",), available=True, caps=None, device="cpu", priority=-1
     ):
-        # priority -1: below the reference, so auto never picks it for CPU tensors
+        # priority -1: below the composite, so auto never picks it for CPU tensors
         self.manifest = BackendManifest(
             name=name,
             device_type=device,
@@ -58,10 +59,39 @@ def _norm():
     return glmport.ops.rms_norm(x, torch.ones(8))
 
 
-def test_default_selection_is_auto_and_resolves_to_cpu_without_accelerators():
+def test_default_selection_is_auto_and_resolves_to_generic_without_accelerators():
+    """The fast device-neutral path, not the reference: the reference is the judge."""
     assert current_settings().backend == "auto"
+    assert glmport.core.selection.primary_backend() == "generic"
     for op in OP_NAMES:
-        assert resolve(op).backend == "cpu"
+        res = resolve(op)
+        assert (res.requested, res.backend, res.chain) == ("generic", "generic", ("generic",))
+
+
+def test_auto_runs_cpu_tensors_on_generic_and_the_reference_stays_the_judge():
+    # In float64 mode only the reference computes in float64: the dtype shows who ran.
+    x, w = torch.randn(3, 8), torch.rand(8)
+    with float64_reference():
+        fast = glmport.ops.rms_norm(x, w)
+        with glmport.use_backend("cpu"):
+            judge = glmport.ops.rms_norm(x, w)
+    assert (fast.dtype, judge.dtype) == (torch.float32, torch.float64)
+    want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(fast.double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(judge, want, rtol=1e-12, atol=1e-12)
+
+
+def test_auto_picks_the_reference_only_where_nothing_else_runs(monkeypatch):
+    real = registry.REGISTRY.availability
+
+    def without_generic(name: str, emulate: bool) -> Availability:
+        return Availability(False, "off in this test") if name == "generic" else real(name, emulate)
+
+    monkeypatch.setattr(registry.REGISTRY, "availability", without_generic)
+    glmport.core.selection.clear_cache()
+    assert resolve("rms_norm", device_type="cpu").backend == "cpu"
+    with pytest.raises(glmport.BackendUnavailableError, match="no available backend runs on xpu"):
+        resolve("rms_norm", device_type="xpu")
 
 
 def test_env_backend_selects_a_registered_backend(monkeypatch, toy):
@@ -129,7 +159,7 @@ def test_unavailable_registered_backend_reports_its_probe_reason(monkeypatch):
 def test_per_op_override_routes_one_op(monkeypatch, toy):
     monkeypatch.setenv("GLMPORT_OPS", "rms_norm=toy")
     assert torch.all(_norm() == 42.0)
-    assert resolve("rope").backend == "cpu"
+    assert resolve("rope").backend == "generic"
 
 
 @pytest.mark.parametrize(
@@ -294,24 +324,25 @@ def test_auto_follows_the_inputs_device_when_an_accelerator_backend_is_available
     try:
         assert glmport.core.selection.primary_backend() == "accel"  # the headline
         assert resolve("rms_norm", device_type="xpu").backend == "accel"
-        # checkpoint loading and quantisation happen on the CPU: CPU tensors run on a
-        # CPU backend instead of raising
-        assert resolve("rms_norm", device_type="cpu").backend == "cpu"
+        # checkpoint loading and quantisation happen on the CPU: CPU tensors run on the
+        # CPU's best backend instead of raising
+        assert resolve("rms_norm", device_type="cpu").backend == "generic"
         y = _norm()
         assert accel.calls == 0 and not torch.all(y == 42.0)
         with glmport.use_backend(device="cpu"):
-            assert glmport.core.selection.primary_backend() == "cpu"
+            assert glmport.core.selection.primary_backend() == "generic"
     finally:
         glmport.unregister_backend("accel")
-    assert resolve("rms_norm").requested == "cpu"
+    assert resolve("rms_norm").requested == "generic"
 
 
-def test_auto_picks_a_cpu_vendor_backend_only_above_the_reference_priority():
-    glmport.register_backend(_ToyBackend(name="tie", priority=0))
-    try:
-        assert resolve("rms_norm", device_type="cpu").backend == "cpu"  # ties: the reference
-    finally:
-        glmport.unregister_backend("tie")
+def test_auto_picks_a_vendor_backend_only_above_the_composite_priority():
+    for device in ("cpu", "xpu"):
+        glmport.register_backend(_ToyBackend(name="tie", device=device, priority=0))
+        try:  # ties: the composite
+            assert resolve("rms_norm", device_type=device).backend == "generic"
+        finally:
+            glmport.unregister_backend("tie")
     glmport.register_backend(_ToyBackend(name="amx", priority=3))
     try:
         assert resolve("rms_norm", device_type="cpu").backend == "amx"

@@ -25,7 +25,7 @@ class CpuBackend(Backend):
         description="reference: readable torch, float64-capable, exact quant emulation",
         ops=(*OP_NAMES, "expert_parallel"),
         role=REFERENCE,
-        priority=0,
+        priority=0,  # auto picks the reference only where nothing else runs
         verified="CI on x86_64 CPUs (the reference every other backend is judged by)",
     )
 

@@ -26,7 +26,7 @@ class GenericBackend(Backend):
         description="device-neutral, memory-bounded torch composites (any torch device)",
         ops=(*OP_NAMES, "expert_parallel"),
         role=COMPOSITE,
-        priority=10,
+        priority=0,  # the baseline on every device: a vendor wins auto only above it
         verified="CI on x86_64 CPUs; not verified on an accelerator",
     )
 
