@@ -140,6 +140,15 @@ class PagedKVCache:
         self._check(seq)
         return list(self._tables[seq])
 
+    def first_slot_if_contiguous(self, seq: int) -> int | None:
+        """The physical slot of ``seq``'s position 0 when its blocks are consecutive
+        (its slots are then one run), else None."""
+        table = self._tables[seq]
+        if not table or table[-1] - table[0] != len(table) - 1:
+            return None
+        consecutive = table == list(range(table[0], table[0] + len(table)))
+        return table[0] * self.block_size if consecutive else None
+
     def blocks_needed(self, seq: int, n: int) -> int:
         """New blocks that appending ``n`` tokens to ``seq`` would take."""
         total = -(-(self.length(seq) + n) // self.block_size)
@@ -240,15 +249,19 @@ class _Plan:
 
     ``new_slots [T]``: physical slots written. ``key_slots [sum L]``: every cached token
     of every sequence, sequence after sequence in logical order (the packed indexer
-    keys are gathered from these). ``k_start / k_end [T]`` int32: each query's causal
-    range in that packed order. ``last [B]``: each sequence's last new token in ``T``.
-    ``seq_ids`` / ``positions [T]`` int64: each new token's sequence id and position.
+    keys are gathered from these); ``key_base``: when those slots are one run of
+    consecutive physical slots (a lone sequence in a fresh cache), its first slot, and
+    the packed keys are a view of the cache instead of a copy. ``k_start / k_end [T]``
+    int32: each query's causal range in that packed order. ``last [B]``: each
+    sequence's last new token in ``T``. ``seq_ids`` / ``positions [T]`` int64: each new
+    token's sequence id and position.
     """
 
     new_slots: torch.Tensor
     seq_ids: torch.Tensor
     positions: torch.Tensor
     key_slots: torch.Tensor
+    key_base: int | None
     k_start: torch.Tensor
     k_end: torch.Tensor
     last: torch.Tensor
@@ -270,7 +283,10 @@ def _plan(
     new_slots = cache.append_batch(seqs, counts)
     positions, seq_ids, key_slots, k_start, k_end = [], [], [], [], []
     offset = 0
+    key_base = cache.first_slot_if_contiguous(seqs[0])
     for seq, start, n in zip(seqs, starts, counts, strict=True):
+        if key_base is not None and cache.first_slot_if_contiguous(seq) != key_base + offset:
+            key_base = None
         pos = torch.arange(start, start + n)
         positions.append(pos)
         seq_ids.append(torch.full((n,), seq))
@@ -285,6 +301,7 @@ def _plan(
         seq_ids=torch.cat(seq_ids).to(device),
         positions=positions,
         key_slots=torch.cat(key_slots).to(device),
+        key_base=key_base,
         k_start=torch.cat(k_start).to(device, torch.int32),
         k_end=torch.cat(k_end).to(device, torch.int32),
         last=(torch.tensor(counts).cumsum(0) - 1).to(device),
@@ -305,9 +322,13 @@ def _layer_step(
     keys[plan.new_slots] = attn.indexer.keys(h, plan.cos, plan.sin).to(keys.dtype)
     # The indexer sees each sequence's keys packed in logical order, so its ranges are
     # contiguous and its ties break by position exactly as in the uncached forward.
-    packed = keys[plan.key_slots]
+    base, n = plan.key_base, plan.key_slots.shape[0]
+    packed = keys[plan.key_slots] if base is None else keys[base : base + n]
     picked = attn.indexer.select(h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end)
-    slots = torch.where(picked >= 0, plan.key_slots[picked.long().clamp_min(0)], -1)
+    if base is None:
+        slots = torch.where(picked >= 0, plan.key_slots[picked.long().clamp_min(0)], -1)
+    else:
+        slots = torch.where(picked >= 0, picked + base, -1)
     x = x + attn.attend_latent(p, latent, slots)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 

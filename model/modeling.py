@@ -30,6 +30,10 @@ from .config import GlmMoeDsaConfig
 log = logging.getLogger("glmport")
 
 MLA_NORM_EPS = 1e-6  # q_a / kv_a norms and the indexer's key LayerNorm (not rms_norm_eps)
+# The packed forward runs MLA absorbed where some query sees more than this many times
+# index_topk keys (bench/vs_transformers.py: non-absorbed was 1.5x faster at 2-4x, and
+# absorbed 3.4x faster at 8x, on the generic backend).
+ABSORB_BEYOND = 4
 
 
 # -- packing -----------------------------------------------------------------------
@@ -337,8 +341,8 @@ class AttentionRecord:
     q_res: torch.Tensor  # [T, q_lora] the indexer's query input
     cos: torch.Tensor  # [T, rope / 2]
     sin: torch.Tensor  # [T, rope / 2]
-    q: torch.Tensor  # [T, H, qk_head_dim] main-attention queries
-    k: torch.Tensor  # [T, H, qk_head_dim] main-attention keys
+    q: torch.Tensor  # [T, H, D] main-attention queries, in the form attended
+    k: torch.Tensor  # [T, H, D] its keys (the absorbed form: the latent row for every head)
     lse: torch.Tensor  # [T, H] fp32 log-sum-exp of the scaled scores over ``indices``
     indices: torch.Tensor  # [T, K] int32 slots attended (-1: none)
     k_start: torch.Tensor  # [T] int32
@@ -379,8 +383,9 @@ def record_attention(
 
 
 class Attention(nn.Module):
-    """Multi-head latent attention with DSA; non-absorbed over a packed batch, absorbed
-    (``[T, H, kv_lora + rope]`` queries over the latent cache) when decoding."""
+    """Multi-head latent attention with DSA. Absorbed (``[T, H, kv_lora + rope]``
+    queries over latent rows) where the indexer selects and over the KV cache;
+    non-absorbed (per-head keys and values) where every visible key is attended."""
 
     def __init__(self, config: GlmMoeDsaConfig) -> None:
         super().__init__()
@@ -406,9 +411,10 @@ class Attention(nn.Module):
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         kv = self.kv_a_proj_with_mqa(h)
         c_kv = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
-        k_pe = ops.rope(kv[:, None, c.kv_lora_rank :].contiguous(), cos, sin, True)
-        q_pe = ops.rope(q_pe.contiguous(), cos, sin, True)
-        return MLAProjections(q_nope, q_pe, q_res, torch.cat((c_kv, k_pe[:, 0]), dim=-1))
+        # One rope call for the query heads and the shared key head (one op call less).
+        pe = ops.rope(torch.cat((q_pe, kv[:, None, c.kv_lora_rank :]), dim=1), cos, sin, True)
+        q_pe, k_pe = pe[:, :-1], pe[:, -1]
+        return MLAProjections(q_nope, q_pe, q_res, torch.cat((c_kv, k_pe), dim=-1))
 
     def _kv_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b_proj`` split per head: ``W_UK [H, nope, kv_lora]``, ``W_UV [H, v, kv_lora]``."""
@@ -421,17 +427,45 @@ class Attention(nn.Module):
     def forward(
         self, h: torch.Tensor, batch: Packed, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """Non-absorbed attention over the packed batch itself (prefill, training)."""
+        """Attention over the packed batch itself (prefill, training).
+
+        Both MLA forms compute the same function; the shape of the attention picks the
+        cheaper one. Where the indexer keeps a small share of the visible keys (some
+        query sees more than ``ABSORB_BEYOND`` times ``index_topk``), the absorbed form
+        gathers one shared latent row per selected key (``kv_lora + rope`` values)
+        instead of ``H`` per-head key and value rows. Where it keeps most of them, or
+        every visible key is attended (short sequences, DSA's dense warm-up), the
+        non-absorbed form does fewer FLOPs per key (``qk + v`` per head against
+        ``kv_lora + rope + kv_lora``) and a backend may attend the whole causal window
+        instead of gathering."""
         c = self.config
         p = self.project(h, cos, sin)
         recording = _RECORDING.get()
         records = None if recording is None else recording.records.get(self)
-        if records is not None and recording.dense:
+        dense = records is not None and recording.dense
+        if dense:
             indices = visible_slots(batch.k_start, batch.k_end)
         else:
             keys = self.indexer.keys(h, cos, sin)
             indices = self.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
-        t = h.shape[0]
+        widest = int((batch.k_end - batch.k_start).max()) if h.shape[0] else 0
+        if not dense and widest > ABSORB_BEYOND * c.index_topk:
+            out, q, lse = self._absorbed(p, p.latent, indices)
+            k = p.latent[:, None, :].expand(-1, c.num_attention_heads, -1)
+        else:
+            out, q, k, lse = self._non_absorbed(p, indices)
+        if records is not None:
+            d = [x.detach() for x in (h, p.q_res, cos, sin, q, k, lse)]
+            records.append(AttentionRecord(*d, indices, batch.k_start, batch.k_end))
+        return out
+
+    def _non_absorbed(
+        self, p: MLAProjections, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head keys and values up-projected from the packed tokens' own latents:
+        the output ``[T, hidden]``, queries and keys ``[T, H, qk_head_dim]``, lse."""
+        c = self.config
+        t = p.latent.shape[0]
         kv = self.kv_b_proj(p.latent[:, : c.kv_lora_rank]).view(t, c.num_attention_heads, -1)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
         k_pe = p.latent[:, None, c.kv_lora_rank :].expand(
@@ -440,24 +474,30 @@ class Attention(nn.Module):
         q = torch.cat((p.q_nope, p.q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
         out, lse = ops.sparse_attention(q, k, v.contiguous(), indices, self.scale)
-        if records is not None:
-            d = [x.detach() for x in (h, p.q_res, cos, sin, q, k, lse)]
-            records.append(AttentionRecord(*d, indices, batch.k_start, batch.k_end))
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, -1)), q, k, lse
+
+    def _absorbed(
+        self, p: MLAProjections, latent: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[T, H, kv_lora + rope]`` (``W_UK`` folded in) over the latent rows
+        ``[N, kv_lora + rope]`` at ``slots [T, K]`` (``-1``: none), ``W_UV`` applied to
+        the result: the output ``[T, hidden]``, those queries, lse ``[T, H]``."""
+        c = self.config
+        w_uk, w_uv = self._kv_up()
+        # Per-head GEMMs over the token axis: [H, T, nope] @ [H, nope, kv_lora].
+        q_lat = torch.matmul(p.q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        q = torch.cat((q_lat, p.q_pe), dim=-1)
+        kv = latent[:, None, :]
+        out_lat, lse = ops.sparse_attention(q, kv, kv[..., : c.kv_lora_rank], slots, self.scale)
+        out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(out.reshape(out.shape[0], -1)), q, lse
 
     def attend_latent(
         self, p: MLAProjections, latent_cache: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
-        """Absorbed attention: queries ``[T, H, kv_lora + rope]`` over the latent cache
+        """Absorbed attention ``[T, hidden]``: queries over the latent cache
         ``[N, kv_lora + rope]`` at physical ``slots [T, K]`` (``-1``: none)."""
-        c = self.config
-        w_uk, w_uv = self._kv_up()
-        q_lat = torch.einsum("thn,hnc->thc", p.q_nope, w_uk)
-        q = torch.cat((q_lat, p.q_pe), dim=-1)
-        kv = latent_cache[:, None, :]
-        out_lat, _ = ops.sparse_attention(q, kv, kv[..., : c.kv_lora_rank], slots, self.scale)
-        out = torch.einsum("thc,hvc->thv", out_lat, w_uv)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self._absorbed(p, latent_cache, slots)[0]
 
 
 class DecoderLayer(nn.Module):

@@ -9,6 +9,7 @@ import torch
 
 import glmport
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from glmport.model.modeling import ABSORB_BEYOND, Attention
 
 transformers = pytest.importorskip("transformers", minversion="5.18")
 
@@ -81,16 +82,29 @@ def _batch(seq_len=14, pad=5):
     return ids, mask
 
 
+# 14 tokens: every query sees at most ABSORB_BEYOND x index_topk keys, MLA runs
+# non-absorbed; 24: the longer sequence's later queries see more, it runs absorbed.
+@pytest.mark.parametrize("seq_len, absorbed", [(14, False), (24, True)])
 @pytest.mark.parametrize("backend", ["cpu", "generic"])
 @pytest.mark.parametrize("kind", ["glm", "dsv32"])
-def test_logits_match_transformers_on_a_padded_sparse_batch(kind, backend):
+def test_logits_match_transformers_on_a_padded_sparse_batch(
+    kind, backend, seq_len, absorbed, monkeypatch
+):
     hf = _hf_model(kind)
     ours = _ours_from(hf)
-    ids, mask = _batch()
+    assert (seq_len > ABSORB_BEYOND * ours.config.index_topk) == absorbed
+    forms = []
+    for form in ("_absorbed", "_non_absorbed"):
+        real = getattr(Attention, form)
+        monkeypatch.setattr(
+            Attention, form, lambda *a, _real=real, _form=form: forms.append(_form) or _real(*a)
+        )
+    ids, mask = _batch(seq_len)
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
         with glmport.use_backend(backend):
             got = ours(ids, mask).logits
+    assert set(forms) == {"_absorbed" if absorbed else "_non_absorbed"}
     valid = mask.bool()
     assert (got - want).abs()[valid].max() <= 1e-4
     assert want.abs()[valid].max() > 1.0  # logits large enough for the bound to mean something

@@ -243,7 +243,9 @@ def test_cpu_and_generic_backends_agree_on_losses_and_gradients(stage):
             losses.loss.backward()
         values[backend] = losses.as_floats()
         grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert values["cpu"] == pytest.approx(values["generic"], rel=1e-4)
+    # The indexer KL of the dense warm-up is ~3e-5 (the indexer already mimics the
+    # attention): rounding of the attention's lse moves it by ~4e-9, hence the abs term.
+    assert values["cpu"] == pytest.approx(values["generic"], rel=1e-4, abs=1e-8)
     assert grads["cpu"].keys() == grads["generic"].keys() and grads["cpu"]
     for name, g in grads["cpu"].items():
         torch.testing.assert_close(grads["generic"][name], g, rtol=1e-3, atol=1e-6, msg=name)
