@@ -42,17 +42,33 @@ def timed(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
+_FLUSH = None  # a buffer larger than this CPU's last-level cache, made on first use
+FLUSH_BYTES = 64 << 20
+
+
+def flush_caches() -> None:
+    """Evict the CPU caches by writing 64 MiB (twice the L3 of the machine these
+    figures come from): a timed call then starts from memory, as it would in a model where other
+    work runs between calls, not from the cache its previous run warmed."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32)
+    _FLUSH.fill_(1.0)
+
+
 def interleaved_samples(
-    fns: dict[str, Callable[[], object]], repeats: int = 5
+    fns: dict[str, Callable[[], object]], repeats: int = 5, *, flush: bool = False
 ) -> dict[str, list[float]]:
     """Wall seconds of every run of each function, after one warm-up run each; the
     functions run in turns (round ``i`` of each is sample ``i``) so that machine noise
-    hits all alike."""
+    hits all alike. ``flush``: :func:`flush_caches` before every timed run (untimed)."""
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if flush:
+                flush_caches()
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
@@ -63,6 +79,17 @@ def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5) ->
     """Median seconds of each function, run in turns so that machine noise hits all alike."""
     samples = interleaved_samples(fns, repeats)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def spread(values: list[float]) -> dict[str, float | list[float]]:
+    """Median, min, max and interquartile range (the range itself for one value)."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "iqr": [q[0], q[2]],
+    }
 
 
 def _status_mib(field: str) -> float:

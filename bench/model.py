@@ -1,45 +1,139 @@
 """Benchmarks of the tiny GLM-5 on this CPU (generic backend), side by side in one run.
 
-1. Decode tokens/s at contexts 1K / 8K / 32K with DSA (index_topk 256) against dense
-   attention (the same weights with index_topk >= the context), and prefill throughput
-   (chunked prefill of 2048 tokens per step; dense prefill at 32K is skipped: O(T^2)).
+1. Decode and prefill at contexts 1K / 8K / 32K: DSA (index_topk 256: the indexer
+   scores every visible key, the attention reads the 256 it keeps) against real dense
+   attention on the same weights and paged cache: each layer's absorbed MLA attention
+   over every visible latent row by ``F.scaled_dot_product_attention`` (torch's fused
+   CPU attention; the heads folded into query rows, as multi-query attention), no
+   indexer scoring. That is the dense model a user would run: it is
+   what ``transformers``' own sdpa path computes when no key is masked, without
+   glmport's gather of every slot. The two are checked to give the same logits when
+   DSA's top-k covers every key. Decode: greedy steps on one cache filled by a DSA
+   prefill, DSA and dense in turns (a 64 MiB buffer written between steps, so neither
+   finds the other's cache rows cached). Prefill: chunks of 2048 tokens into fresh
+   caches, DSA and dense in turns.
 2. MTP speculative decoding against plain greedy: tokens/s and mean acceptance length,
    with the random tiny weights and with an MTP layer made to agree with the model.
 3. Quantised (W4A8 experts + W8A8 projections, and FP8-block) against fp32 weight memory
    for the tiny model (measured) and GLM-5 (from the parameter shapes on meta).
 
-Run: ``python bench/model.py`` (a few minutes on 2 cores); ``--quick`` for a smoke run.
-Writes ``bench/results/model.json`` and prints the tables.
+Sections 1 and 2 report median, interquartile range and min..max at 1 and 2 torch
+threads. Run: ``python bench/model.py`` (about 15 minutes on 2 cores); ``--quick`` for a
+smoke run (short contexts, 1 thread; writes only with ``--out``). Writes
+``bench/results/model.json`` and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
 
-from common import table, write
+from common import RESULTS, environment, flush_caches, spread, table
 
 import glmport
 from glmport.core.formats import SCHEMES
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.cache import PagedKVCache, forward_cached
 from glmport.model.generation import generate
+from glmport.model.modeling import Attention
 from glmport.model.quantize import quantize_model
 
 DSA_TOPK = 256
-PREFILL_CHUNK, DECODE_STEPS, BLOCK = 2048, 32, 64
+PREFILL_CHUNK, BLOCK = 2048, 64
 
 
 def tiny_model() -> GlmMoeDsaForCausalLM:
     cfg = GlmMoeDsaConfig.tiny(index_topk=DSA_TOPK, max_position_embeddings=1 << 16)
     return GlmMoeDsaForCausalLM.from_config(cfg, seed=0).eval()
+
+
+# -- Dense attention: the same weights, every visible key, torch's fused SDPA ---------
+
+
+# Query rows per SDPA call in a prefill chunk, so that the causal mask stays ~16M entries.
+MASK_ENTRIES = 1 << 24
+
+
+def _dense_attend_latent(
+    self: Attention, p, latent_cache: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """``Attention.attend_latent`` as dense attention: query ``i`` attends the first
+    ``count_i`` visible slots (slots ``[T, K]`` list each query's causal keys in order,
+    ``-1`` past them; one sequence per step, as this benchmark runs). The absorbed form
+    has one key / value row per token shared by every head (multi-query attention), so
+    the heads are folded into query rows of one SDPA call: a single shared key stream,
+    which SDPA's ``enable_gqa`` runs several times slower here. Prefill chunks go in
+    query blocks with a causal mask of at most ``MASK_ENTRIES``."""
+    c = self.config
+    counts = (slots >= 0).sum(dim=1)
+    widest = int(counts.argmax())
+    n = int(counts[widest])
+    keys = slots[widest, :n].long()
+    first = int(keys[0])
+    if int(keys[-1]) - first == n - 1:  # one run of physical slots: a view, no gather
+        kv = latent_cache[first : first + n]
+    else:
+        kv = latent_cache.index_select(0, keys)
+    w_uk, w_uv = self._kv_up()
+    q = torch.cat((torch.einsum("thn,hnc->thc", p.q_nope, w_uk), p.q_pe), dim=-1)
+    t, h = q.shape[0], q.shape[1]
+    k, v = kv[None, None], kv[None, None, :, : c.kv_lora_rank]
+    if bool((counts == n).all()):  # decode: every query sees every key
+        out = F.scaled_dot_product_attention(q.reshape(1, 1, t * h, -1), k, v, scale=self.scale)
+        out = out.view(t, h, -1)
+    else:
+        out = q.new_empty(t, h, c.kv_lora_rank)
+        block = max(1, MASK_ENTRIES // (h * n))
+        for t0 in range(0, t, block):
+            t1 = min(t, t0 + block)
+            seen = int(counts[t0:t1].max())
+            rows = counts[t0:t1].repeat_interleave(h)
+            mask = torch.arange(seen, device=slots.device)[None, :] < rows[:, None]
+            out[t0:t1] = F.scaled_dot_product_attention(
+                q[t0:t1].reshape(1, 1, (t1 - t0) * h, -1),
+                k[:, :, :seen],
+                v[:, :, :seen],
+                attn_mask=mask,
+                scale=self.scale,
+            ).view(t1 - t0, h, -1)
+    out = torch.einsum("thc,hvc->thv", out, w_uv)
+    return self.o_proj(out.reshape(t, -1))
+
+
+@contextlib.contextmanager
+def attention(model: GlmMoeDsaForCausalLM, mode: str, context: int) -> Iterator[None]:
+    """Run ``model`` as DSA (``"dsa"``) or dense (``"dense"``: top-k wider than every
+    context, so the indexer does not score, and SDPA attention) inside the block."""
+    saved = model.config.index_topk
+    if mode == "dense":
+        model.config.index_topk = context  # >= every visible key: no scoring
+        Attention.attend_latent = _dense_attend_latent
+    try:
+        yield
+    finally:
+        model.config.index_topk = saved
+        Attention.attend_latent = _ATTEND_LATENT
+
+
+_ATTEND_LATENT = Attention.attend_latent
+
+
+def new_cache(model, tokens: int) -> tuple[PagedKVCache, int]:
+    cache = PagedKVCache.for_config(
+        model.config, model.config.num_hidden_layers, -(-tokens // BLOCK), BLOCK
+    )
+    return cache, cache.add_sequence()
 
 
 def prefill(model, cache, seq, ids: list[int]) -> float:
@@ -50,42 +144,74 @@ def prefill(model, cache, seq, ids: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def decode_rate(model, cache, seq, steps: int) -> float:
-    """Greedy decode steps per second on a filled cache."""
-    token = 1
+def decode_step(model, cache, seq, token: int) -> tuple[float, int]:
+    """One greedy decode step on a filled cache: its seconds and the next token."""
+    flush_caches()
     start = time.perf_counter()
-    for _ in range(steps):
-        out = forward_cached(model, cache, [seq], [[token]], last_only=True)
-        token = int(out.logits.argmax(-1)[0])
-    return steps / (time.perf_counter() - start)
+    out = forward_cached(model, cache, [seq], [[token]], last_only=True)
+    seconds = time.perf_counter() - start
+    return seconds, int(out.logits.argmax(-1)[0])
 
 
-def context_bench(model, contexts, steps, dense_prefill_max) -> list[dict]:
-    rows = []
-    gen = torch.Generator().manual_seed(0)
-    for n in contexts:
-        ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
-        blocks = -(-(n + steps + 1) // BLOCK)
-        row = {"context": n}
-        # Dense: a top-k as wide as every visible key (wider would only add -1 slots).
-        for mode, topk in (("dsa", DSA_TOPK), ("dense", n + steps + 1)):
-            model.config.index_topk = topk
-            cache = PagedKVCache.for_config(
-                model.config, model.config.num_hidden_layers, blocks, BLOCK
-            )
-            seq = cache.add_sequence()
-            if mode == "dense" and n > dense_prefill_max:
-                # Decode cost depends on the context length, not on how the cache was
-                # filled: fill it the DSA way, decode densely.
-                model.config.index_topk = DSA_TOPK
-                prefill(model, cache, seq, ids)
-                model.config.index_topk = topk
-            else:
-                row[f"{mode}_prefill_tok_per_s"] = n / prefill(model, cache, seq, ids)
-            row[f"{mode}_decode_tok_per_s"] = decode_rate(model, cache, seq, steps)
-        model.config.index_topk = DSA_TOPK
-        rows.append(row)
-    return rows
+def dense_agreement(model, n: int) -> float:
+    """max |dense SDPA - DSA with a top-k covering every key| / max |logit| for one
+    decode step after a prefill of ``n`` tokens: the baseline computes the same model."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+    cache, seq = new_cache(model, n + 2)
+    with attention(model, "dense", n + 2):
+        prefill(model, cache, seq, ids)
+        twin = copy.deepcopy(cache)
+        dense = forward_cached(model, cache, [seq], [[1]], last_only=True).logits
+    saved = model.config.index_topk
+    model.config.index_topk = n + 2
+    try:
+        gathered = forward_cached(model, twin, [seq], [[1]], last_only=True).logits
+    finally:
+        model.config.index_topk = saved
+    return float((dense - gathered).abs().max() / gathered.abs().max())
+
+
+def context_bench(model, n: int, decode_steps: int, prefill_repeats: int) -> dict:
+    """DSA against dense at context ``n``: prefill rates (tokens/s) over
+    ``prefill_repeats`` rounds in turns, and decode rates over ``decode_steps`` steps
+    in turns on one cache filled by a DSA prefill."""
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+    total = n + 2 * decode_steps + 2
+    prefill_s: dict[str, list[float]] = {"dsa": [], "dense": []}
+    for _ in range(prefill_repeats):
+        for mode in ("dsa", "dense"):
+            cache, seq = new_cache(model, total)
+            with attention(model, mode, total):
+                prefill_s[mode].append(prefill(model, cache, seq, ids))
+            if mode == "dsa":
+                filled = cache, seq
+    if not prefill_repeats:
+        filled = new_cache(model, total)
+        with attention(model, "dsa", total):
+            prefill(model, *filled, ids)
+    cache, seq = filled
+    decode_s: dict[str, list[float]] = {"dsa": [], "dense": []}
+    token = 1
+    for _ in range(decode_steps):
+        for mode in ("dsa", "dense"):
+            with attention(model, mode, total):
+                seconds, token = decode_step(model, cache, seq, token)
+            decode_s[mode].append(seconds)
+    row: dict = {"context": n, "decode_steps": decode_steps, "prefill_rounds": prefill_repeats}
+    for mode in ("dsa", "dense"):
+        row[f"{mode}_decode_tok_per_s"] = spread([1 / s for s in decode_s[mode]])
+        if prefill_s[mode]:
+            row[f"{mode}_prefill_tok_per_s"] = spread([n / s for s in prefill_s[mode]])
+    row["dsa_over_dense_decode"] = (
+        row["dsa_decode_tok_per_s"]["median"] / row["dense_decode_tok_per_s"]["median"]
+    )
+    if prefill_s["dsa"]:
+        row["dsa_over_dense_prefill"] = (
+            row["dsa_prefill_tok_per_s"]["median"] / row["dense_prefill_tok_per_s"]["median"]
+        )
+    return row
 
 
 def agreeing_mtp(model: GlmMoeDsaForCausalLM) -> GlmMoeDsaForCausalLM:
@@ -104,19 +230,27 @@ def agreeing_mtp(model: GlmMoeDsaForCausalLM) -> GlmMoeDsaForCausalLM:
     return m
 
 
-def speculative_bench(model, new_tokens: int) -> list[dict]:
+def speculative_bench(models: dict[str, GlmMoeDsaForCausalLM], new_tokens: int, repeats: int):
+    """Plain greedy and MTP speculative generation in turns, ``repeats`` times per model."""
     prompts = [[3, 17, 42, 5, 9, 11, 64, 2]]
     rows = []
-    for name, m in (("random weights", model), ("agreeing MTP", agreeing_mtp(model))):
-        plain = generate(m, prompts, new_tokens)
-        spec = generate(m, prompts, new_tokens, speculative=True)
-        assert spec.output_ids == plain.output_ids  # the same text, faster or not
+    for name, m in models.items():
+        rates: dict[str, list[float]] = {"plain": [], "speculative": []}
+        acceptance = None
+        for _ in range(repeats):
+            plain = generate(m, prompts, new_tokens)
+            spec = generate(m, prompts, new_tokens, speculative=True)
+            assert spec.output_ids == plain.output_ids  # the same text, faster or not
+            rates["plain"].append(plain.tokens_per_s)
+            rates["speculative"].append(spec.tokens_per_s)
+            acceptance = spec.acceptance_length
+        plain_s, spec_s = spread(rates["plain"]), spread(rates["speculative"])
         rows.append({
             "model": name,
-            "plain_tok_per_s": plain.tokens_per_s,
-            "speculative_tok_per_s": spec.tokens_per_s,
-            "speedup": spec.tokens_per_s / plain.tokens_per_s,
-            "acceptance_length": spec.acceptance_length,
+            "plain_tok_per_s": plain_s,
+            "speculative_tok_per_s": spec_s,
+            "speedup": spec_s["median"] / plain_s["median"],
+            "acceptance_length": acceptance,
         })  # fmt: skip
     return rows
 
@@ -171,39 +305,80 @@ def memory_bench() -> dict:
     return out
 
 
+def _rate(d: dict, digits: int = 1) -> str:
+    lo, hi = d["iqr"]
+    return f"{d['median']:.{digits}f} [{lo:.{digits}f}..{hi:.{digits}f}]"
+
+
+def print_contexts(run: dict) -> None:
+    print(f"1. Tiny GLM-5, {run['threads']} thread(s): tokens/s, median [IQR] "
+          "(generic; DSA index_topk 256 vs dense SDPA attention)")  # fmt: skip
+    rows = [("context", "DSA decode", "dense decode", "DSA / dense", "DSA prefill",
+             "dense prefill", "DSA / dense")]  # fmt: skip
+    for r in run["contexts"]:
+        pre = "dsa_prefill_tok_per_s" in r
+        rows.append((
+            r["context"],
+            _rate(r["dsa_decode_tok_per_s"]),
+            _rate(r["dense_decode_tok_per_s"]),
+            f"{r['dsa_over_dense_decode']:.2f}x",
+            _rate(r["dsa_prefill_tok_per_s"], 0) if pre else "not run",
+            _rate(r["dense_prefill_tok_per_s"], 0) if pre else "not run",
+            f"{r['dsa_over_dense_prefill']:.2f}x" if pre else "",
+        ))  # fmt: skip
+    print(table(rows))
+
+
+def print_speculative(run: dict) -> None:
+    print(f"\n2. MTP speculative vs plain greedy, {run['threads']} thread(s) (identical output)")
+    print(table([("model", "plain tok/s", "speculative tok/s", "speedup", "acceptance")] + [
+        (r["model"], _rate(r["plain_tok_per_s"]), _rate(r["speculative_tok_per_s"]),
+         f"{r['speedup']:.2f}x", f"{r['acceptance_length']:.2f}") for r in run["speculative"]
+    ]))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short contexts, few tokens")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--out", type=Path, help="result file (default bench/results/model.json)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    contexts = (256, 1024) if args.quick else (1024, 8192, 32768)
+    if args.quick:
+        plan = {256: 1, 1024: 1}  # context: prefill rounds
+        threads, steps, new_tokens, spec_repeats = [1], 4, 16, 1
+    else:
+        plan = {1024: 5, 8192: 3, 32768: 1}
+        threads = [int(t) for t in args.threads.split(",") if t.strip()]
+        steps, new_tokens, spec_repeats = 32, 64, 5
     model = tiny_model()
-    results: dict = {"command": "python bench/model.py", "backend": "generic"}
+    models = {"random weights": model, "agreeing MTP": agreeing_mtp(model)}
+    results: dict = {
+        "command": "python bench/model.py" + (" --quick" if args.quick else ""),
+        "backend": "generic",
+        "dense_baseline": "absorbed MLA over every visible latent row by "
+        "F.scaled_dot_product_attention; no indexer scoring",
+        "decode_steps": steps,
+        "prefill_rounds": {str(n): r for n, r in plan.items()},
+        "runs": [],
+    }
     with glmport.use_backend("generic"):
-        context_bench(model, (64,), 2, 64)  # warm-up: first-call costs are not throughput
-        results["contexts"] = context_bench(
-            model, contexts, 4 if args.quick else DECODE_STEPS, 8192
-        )
-        results["speculative"] = speculative_bench(model, 16 if args.quick else 64)
+        results["dense_vs_dsa_all_keys_max_rel_error"] = err = dense_agreement(model, 300)
+        print(f"dense SDPA vs DSA with every key: logits max rel error {err:.1e}")
+        if not err < 1e-4:
+            raise SystemExit(f"the dense baseline computes another model: {err:.1e}")
+        for n_threads in threads:
+            torch.set_num_threads(n_threads)
+            context_bench(model, 64, 2, 1)  # warm-up: first-call costs are not throughput
+            run = {
+                "threads": n_threads,
+                "contexts": [context_bench(model, n, steps, r) for n, r in plan.items()],
+                "speculative": speculative_bench(models, new_tokens, spec_repeats),
+            }
+            results["runs"].append(run)
+            print_contexts(run)
+            print_speculative(run)
     results["memory"] = memory_bench()
-
-    print("1. Tiny GLM-5 decode and prefill, tokens/s (generic; DSA index_topk 256 vs dense)")
-    rows = [("context", "DSA decode", "dense decode", "DSA prefill", "dense prefill")]
-    for r in results["contexts"]:
-        dense_prefill = r.get("dense_prefill_tok_per_s")
-        rows.append((
-            r["context"],
-            f"{r['dsa_decode_tok_per_s']:.1f}",
-            f"{r['dense_decode_tok_per_s']:.1f}",
-            f"{r['dsa_prefill_tok_per_s']:.0f}",
-            "skipped" if dense_prefill is None else f"{dense_prefill:.0f}",
-        ))  # fmt: skip
-    print(table(rows))
-    print("\n2. MTP speculative vs plain greedy (identical output)")
-    print(table([("model", "plain tok/s", "speculative tok/s", "speedup", "acceptance")] + [
-        (r["model"], f"{r['plain_tok_per_s']:.1f}", f"{r['speculative_tok_per_s']:.1f}",
-         f"{r['speedup']:.2f}x", f"{r['acceptance_length']:.2f}") for r in results["speculative"]
-    ]))  # fmt: skip
     print("\n3. Weight memory, quantised vs float")
     print(table([("schemes", "tiny fp32 MiB", "quantised", "saving", "GLM-5 bf16 GiB",
                   "quantised", "saving")] + [
@@ -212,8 +387,11 @@ def main() -> None:
          f"{v['glm5']['quantised_gib']:.0f}", f"{v['glm5']['saving']:.2f}x")
         for k, v in results["memory"].items()
     ]))  # fmt: skip
-    path = write("model", results)
-    print(f"\nwrote {path}")
+    out = args.out or (None if args.quick else RESULTS / "model.json")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"environment": environment(), **results}, indent=2))
+        print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ one repeat, one thread (timings mean nothing; never written to ``bench/results``
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
 
-from common import RESULTS, environment, interleaved_samples, save, table
+from common import RESULTS, environment, interleaved_samples, save, spread, table
 
 import glmport
 from glmport.model import GlmMoeDsaForCausalLM
@@ -158,17 +157,6 @@ def agreement(s: Setup) -> dict[str, float]:
     return {
         "logprob_agreement_max_abs": float((ours - hf_logp).abs().max()),
         "rollout_logprob_agreement_max_abs": float((rollout_logp - replayed).abs().max()),
-    }
-
-
-def spread(values: list[float]) -> dict[str, float | list[float]]:
-    """Median, min, max and interquartile range (the range itself for one value)."""
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "iqr": [q[0], q[2]],
     }
 
 
