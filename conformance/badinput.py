@@ -48,7 +48,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("lightning_indexer", "negative_k_start", "k_start", _fill(-1)),
     BadInput("lightning_indexer", "topk_zero", "topk", lambda k: 0),
     BadInput("lightning_indexer", "weights_fp16", "weights", lambda w: w.half()),
-    BadInput("lightning_indexer", "nan_key", "k", _set_first(float("nan"))),
+    BadInput("lightning_indexer", "nan_query", "q", _set_first(float("nan"))),
     BadInput("indexer_logits", "start_after_end", "k_start", lambda s: s + 10**3),
     BadInput("moe_gate", "top_k_too_large", "top_k", lambda k: 10**3),
     BadInput("moe_gate", "unknown_score_func", "score_func", lambda f: "relu"),

@@ -28,6 +28,7 @@ from .selection import (
 from .shadow import observe
 from .specs import SPECS, OpSpec
 from .specs.quant import PreparedWeight
+from .validate import Level
 
 # Metadata signatures (shapes, dtypes, devices, scalars) that passed the checks: in
 # meta mode a repeated call shape is not checked again (the checks read nothing else).
@@ -35,10 +36,11 @@ _passed: set[tuple] = set()
 _MAX_PASSED = 4096
 
 
-def _validate(spec: OpSpec, args: tuple, values: bool) -> str:
-    """Check ``args``; returns the device type of the first (tensor) argument."""
-    if values:
-        spec.validate(args, values=True)
+def _validate(spec: OpSpec, args: tuple, level: Level) -> str:
+    """Check ``args`` at ``level``; returns the device type of the first (tensor)
+    argument."""
+    if level:
+        spec.validate(args, values=level)
         return args[0].device.type
     sig = tuple(
         [
@@ -70,7 +72,7 @@ def run(name: str, args: tuple) -> object:
     call_args = args
     if prepared is not None:  # checks, resolution and shadow see the canonical weight
         args = call_args = (args[0], prepared.w, *args[2:])
-    device_type = _validate(spec, args, settings.validate_values)
+    device_type = _validate(spec, args, settings.validate)
     res = resolve(name, settings, device_type=device_type)
     if res.capability is None and (res.device_type == device_type or res.device_type == ANY_DEVICE):
         kernel, backend = res.kernel, res.backend

@@ -105,7 +105,7 @@ def _count(raw: str) -> int:
 
 def _validate_mode(raw: str) -> str:
     mode = raw.lower()
-    if mode not in ("full", "meta"):
+    if mode not in ("strict", "full", "meta"):
         raise ValueError
     return mode
 
@@ -204,10 +204,12 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             "GLMPORT_VALIDATE",
-            "full or meta",
+            "strict, full or meta",
             "full",
             _validate_mode,
-            "full checks input values too; meta skips checks that read tensor values",
+            "full (default) also checks index and key ranges, scales and per-query "
+            "tensors; strict adds whole-cache scans (finite keys, float32 overflow "
+            "bounds); meta checks shapes, dtypes and devices only",
         ),
         Variable(
             "GLMPORT_TILE_MB",

@@ -48,6 +48,7 @@ from .registry import (
     chain_for,
     torch_code,
 )
+from .validate import Level
 
 log = logging.getLogger("glmport")
 
@@ -64,12 +65,17 @@ class Settings:
     ops: tuple[tuple[str, str], ...] = ()
     shadow: str | None = None
     shadow_calls: int = 8
-    validate_values: bool = True
+    validate: Level = Level.FULL  # GLMPORT_VALIDATE
     # (interface name, device type) -> Resolution under these settings.
     resolved: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def op_override(self, op: str) -> str | None:
         return dict(self.ops).get(op)
+
+    @property
+    def validate_values(self) -> bool:
+        """Whether checks read tensor values (``full`` and ``strict``)."""
+        return self.validate >= Level.FULL
 
 
 def _parse_device(raw: str, var: str = "GLMPORT_DEVICE") -> str:
@@ -109,7 +115,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
         ops=env["GLMPORT_OPS"],
         shadow=env["GLMPORT_SHADOW"],
         shadow_calls=env["GLMPORT_SHADOW_CALLS"],
-        validate_values=env["GLMPORT_VALIDATE"] == "full",
+        validate=Level[env["GLMPORT_VALIDATE"].upper()],
     )
 
 

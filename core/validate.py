@@ -1,16 +1,20 @@
 """Input checks shared by every backend: one place that decides what a valid call is.
 
-Checks come in two levels. Metadata checks (ranks, shapes, dtypes, devices, scalar
-arguments) run everywhere, fake tensors included. Value checks (index ranges, key
-ranges, finite positive scales, NaN where it would silently corrupt a result) read
-tensor data, so they run only on real tensors and can be turned off with
-``GLMPORT_VALIDATE=meta`` where the device sync they cost matters.
+Checks come in three levels (:class:`Level`, chosen by ``GLMPORT_VALIDATE``). Metadata
+checks (ranks, shapes, dtypes, devices, scalar arguments) run everywhere, fake tensors
+included. Value checks (``full``, the default) read what a kernel could misuse or what
+is as small as the call's queries: index and key ranges, scales, per-query tensors;
+they run only on real tensors and ``GLMPORT_VALIDATE=meta`` turns them off where the
+device sync they cost matters. Whole-tensor scans of caches (finiteness of every key,
+float32 overflow bounds from a cache's max magnitude) cost as much as the op at decode
+shapes, so only ``GLMPORT_VALIDATE=strict`` runs them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from enum import IntEnum
 
 import torch
 
@@ -19,6 +23,18 @@ from .errors import OpInputError
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP32_MAX = torch.finfo(torch.float32).max
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class Level(IntEnum):
+    """What a check may read: the ``values`` argument of every spec's check function.
+
+    ``values`` is truthy from ``FULL`` up (a caller passing ``True`` means ``FULL``);
+    whole-tensor scans test ``values >= Level.STRICT``.
+    """
+
+    META = 0  # metadata only: shapes, dtypes, devices, scalars
+    FULL = 1  # plus indices, ranges, scales and per-query tensors (the default)
+    STRICT = 2  # plus whole-cache scans: finiteness, float32 overflow bounds
 
 
 def describe(t: object) -> str:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import glmport
+from glmport.backends.generic import attention as gattention
 from glmport.backends.generic import indexer as gindexer
 from glmport.backends.generic import logprobs as glogprobs
 from glmport.backends.generic import moe as gmoe
@@ -81,6 +82,126 @@ def test_indexer_running_topk_breaks_ties_across_tiles_toward_the_lower_slot(tin
     ridx, rsc = _ref("lightning_indexer")(q, k, w, ks, ke, 10)
     assert torch.equal(idx, ridx)
     torch.testing.assert_close(sc, rsc)
+
+
+def _force_strategy(monkeypatch, strategy: str) -> None:
+    """Every chunk takes the dense window (when its slots span any) or the gather."""
+    ratio = 1e9 if strategy == "window" else 0.0
+    monkeypatch.setattr(gattention, "WINDOW_RATIO_SHARED", (ratio, ratio))
+    monkeypatch.setattr(gattention, "WINDOW_RATIO_PER_HEAD", ratio)
+
+
+def _window_args(gen, t, h, hkv, n, k, absorbed):
+    """Causal-prefill-like indices: each query picks k of its earlier slots (fewer
+    than k visible: -1 tail), one row lists a slot twice, one row is all -1."""
+    dk, dv = 16, 8
+    q = torch.randn(t, h, dk, generator=gen)
+    kv = torch.randn(n, hkv, dk, generator=gen)
+    v = kv[..., :dv] if absorbed else torch.randn(n, hkv, dv, generator=gen)
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    for i in range(t):
+        seen = n - t + i + 1
+        pick = torch.randperm(seen, generator=gen)[: min(k, seen)]
+        idx[i, : pick.numel()] = pick.int()
+    idx[1, 1] = idx[1, 0]  # a slot listed twice counts twice
+    idx[2] = -1
+    return q, kv, v, idx, dk**-0.5
+
+
+@pytest.mark.parametrize("layout", ["absorbed", "gqa", "per_head"])
+@pytest.mark.parametrize("strategy", ["window", "gather"])
+def test_dense_window_and_gather_equal_the_reference(monkeypatch, layout, strategy):
+    """Both chunk strategies, forward and backward, against the float64 reference:
+    -1 entries, a duplicate slot, an empty row; absorbed MLA (v a prefix view of k),
+    grouped heads, and a kv head per query head."""
+    _force_strategy(monkeypatch, strategy)
+    monkeypatch.setenv("GLMPORT_TILE_MB", "0.01")  # several query chunks
+    gen = torch.Generator().manual_seed(11)
+    h, hkv = {"absorbed": (8, 1), "gqa": (4, 2), "per_head": (3, 3)}[layout]
+    absorbed = layout == "absorbed"
+    q, k, v, idx, scale = _window_args(gen, 12, h, hkv, 20, 6, absorbed)
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    vv = kk[..., : v.shape[-1]] if absorbed else v.clone().requires_grad_()
+    with glmport.use_backend("generic"):
+        out, lse = glmport.ops.sparse_attention(qq, kk, vv, idx, scale)
+    rq, rk = q.double().requires_grad_(), k.double().requires_grad_()
+    rv = rk[..., : v.shape[-1]] if absorbed else v.double().requires_grad_()
+    ro, rl = _ref("sparse_attention")(rq, rk, rv, idx, scale)
+    torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), rl.double(), rtol=1e-5, atol=1e-6)
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
+    go, gl = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    leaves = [qq, kk] if absorbed else [qq, kk, vv]
+    got = torch.autograd.grad(
+        (out * go).sum() + (torch.where(lse.isfinite(), lse, 0) * gl).sum(), leaves
+    )
+    rleaves = [rq, rk] if absorbed else [rq, rk, rv]
+    want = torch.autograd.grad(
+        (ro * go.double()).sum() + (torch.where(rl.isfinite(), rl, 0) * gl.double()).sum(),
+        rleaves,
+    )
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_slot_listed_twice_counts_twice_in_the_dense_window(monkeypatch):
+    """Listing slot 0 twice beside slot 1 weighs it 2:1, as gathering it twice does."""
+    _force_strategy(monkeypatch, "window")
+    q = torch.zeros(1, 1, 4)  # equal scores: the weights are the multiplicities
+    k = torch.randn(2, 1, 4)
+    v = torch.tensor([[[3.0]], [[0.0]]])
+    idx = torch.tensor([[0, 0, 1]], dtype=torch.int32)
+    with glmport.use_backend("generic"):
+        out, lse = glmport.ops.sparse_attention(q, k, v, idx, 1.0)
+    torch.testing.assert_close(out, torch.tensor([[[2.0]]]))
+    torch.testing.assert_close(lse, torch.log(torch.tensor([[3.0]])))
+
+
+def test_window_choice_follows_the_span_of_the_selected_slots():
+    """Decode with every key selected takes the window; a span far wider than K, the
+    gather (no GEMM over unselected keys)."""
+    q, k = torch.randn(1, 64, 8), torch.randn(100, 1, 8)
+    every = torch.arange(100, dtype=torch.int32)[None]
+    assert gattention._Chunk(q, k, k, every, 0.1, 0, 1).window == (0, 100)
+    spread = torch.tensor([[0, 50, 99]], dtype=torch.int32)
+    assert gattention._Chunk(q, k, k, spread, 0.1, 0, 1).window is None
+
+
+def test_fast_selection_equals_the_exact_one_on_ties():
+    """Many equal scores, at the k-th value and inside the chosen set, with -inf
+    entries: the topk-first selection returns the exact selection's slots and order."""
+    gen = torch.Generator().manual_seed(12)
+    for width, k in ((50, 10), (50, 50), (7, 10), (300, 64)):
+        v = torch.randint(0, 4, (9, width), generator=gen).float()
+        v[0] = 1.0  # one value everywhere
+        v[1, ::2] = float("-inf")
+        v[2] = torch.arange(width).float()  # no tie: the fast path alone
+        slots = torch.arange(width).expand(9, -1)
+        fast = gindexer._select(v, slots, k)
+        exact = gindexer._select_exact(v, slots, k)
+        finite = torch.isfinite(exact[0])
+        assert torch.equal(fast[0], exact[0])
+        assert torch.equal(fast[1][finite], exact[1][finite])
+
+
+def test_causal_indexer_equals_the_unrestricted_scoring(monkeypatch):
+    """Query chunks score only the keys they can see: the indices equal those of the
+    reference, which scores every key, for causal ranges with ties and tiny tiles."""
+    monkeypatch.setenv("GLMPORT_TILE_MB", "0.002")
+    monkeypatch.setattr(gindexer, "KEY_TILE", 16)
+    gen = torch.Generator().manual_seed(13)
+    t, n = 40, 60
+    q = torch.randint(-2, 3, (t, 2, 4), generator=gen).float()  # integer scores: ties
+    k = torch.randint(-2, 3, (n, 4), generator=gen).float()
+    w = torch.rand(t, 2, generator=gen)
+    ks = torch.clamp(torch.arange(n - t, n, dtype=torch.int32) - 30, min=0)  # a sliding window
+    ke = torch.arange(n - t + 1, n + 1, dtype=torch.int32)
+    for start in (torch.zeros(t, dtype=torch.int32), ks):
+        with glmport.use_backend("generic"):
+            idx, sc = glmport.ops.lightning_indexer(q, k, w, start, ke, 12)
+        ridx, rsc = _ref("lightning_indexer")(q, k, w, start, ke, 12)
+        assert torch.equal(idx, ridx)
+        torch.testing.assert_close(sc, rsc)
 
 
 def test_indexer_logits_in_query_chunks_equals_reference(tiny_tiles):

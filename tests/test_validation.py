@@ -4,7 +4,9 @@ Every case starts from a good call (checked to succeed on its own) and changes o
 thing, then calls the public ``glmport.ops.<name>``; the call must raise
 :class:`glmport.OpInputError` naming the op, the offending argument, what was expected
 and what came. Cases marked ``value`` break a check that reads tensor data, which
-``GLMPORT_VALIDATE=meta`` turns off.
+``GLMPORT_VALIDATE=meta`` turns off. :data:`STRICT_CASES` break the whole-cache scans
+only ``GLMPORT_VALIDATE=strict`` runs (the default ``full`` skips them: at decode
+shapes they cost as much as the op).
 """
 
 from __future__ import annotations
@@ -392,7 +394,6 @@ CASES: list[Case] = [
     Case("li-topk_bool", "lightning_indexer", put(topk=True), "topk", ("int >= 1", "bool True")),
     Case("li-topk_float", "lightning_indexer", put(topk=2.0), "topk", ("int >= 1", "float 2.0")),
     Case("li-q_nan", "lightning_indexer", poke("q", (1, 1, 1), NAN), "q", ("finite",), value=True),
-    Case("li-k_inf", "lightning_indexer", poke("k", (2, 3), INF), "k", ("finite",), value=True),
     Case(
         "li-weights_nan",
         "lightning_indexer",
@@ -1039,6 +1040,20 @@ CASES: list[Case] = [
 VALUE_CASES = [c for c in CASES if c.value]
 META_CASES = [c for c in CASES if not c.value]
 
+STRICT_CASES: list[Case] = [
+    Case("li-k_inf", "lightning_indexer", poke("k", (2, 3), INF), "k", ("finite",), value=True),
+    Case("li-k_nan", "lightning_indexer", poke("k", (0, 0), NAN), "k", ("finite",), value=True),
+    Case("il-k_inf", "indexer_logits", poke("k", (1, 1), -INF), "k", ("finite",), value=True),
+    Case(
+        "sa-scores_overflow",
+        "sparse_attention",
+        put(k=lambda a: torch.full_like(a["k"], 1e38)),  # the cache bounds the scores
+        "scale",
+        ("float32 range", "max|k|"),
+        value=True,
+    ),
+]
+
 
 def _ids(cases: list[Case]) -> list[str]:
     return [c.id for c in cases]
@@ -1110,6 +1125,35 @@ def test_validate_full_runs_value_checks(
 @pytest.mark.parametrize("case", META_CASES, ids=_ids(META_CASES))
 def test_validate_meta_keeps_metadata_checks(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLMPORT_VALIDATE", "meta")
+    with pytest.raises(glmport.OpInputError) as info:
+        case.call()
+    _check_error(case, info.value)
+
+
+@pytest.mark.parametrize("case", STRICT_CASES, ids=_ids(STRICT_CASES))
+def test_validate_strict_scans_whole_caches(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLMPORT_VALIDATE", "strict")
+    with pytest.raises(glmport.OpInputError) as info:
+        case.call()
+    _check_error(case, info.value)
+
+
+@pytest.mark.parametrize("mode", ["full", "meta"])
+@pytest.mark.parametrize("case", STRICT_CASES, ids=_ids(STRICT_CASES))
+def test_whole_cache_scans_are_strict_only(
+    case: Case, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default reads no whole cache: a non-finite key or an overflowing one passes
+    (and propagates NaN / inf into the result, as any torch op would)."""
+    monkeypatch.setenv("GLMPORT_VALIDATE", mode)
+    case.call()
+
+
+@pytest.mark.parametrize(
+    "case", VALUE_CASES[:3] + META_CASES[:3], ids=_ids(VALUE_CASES[:3] + META_CASES[:3])
+)
+def test_validate_strict_keeps_the_full_checks(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLMPORT_VALIDATE", "strict")
     with pytest.raises(glmport.OpInputError) as info:
         case.call()
     _check_error(case, info.value)

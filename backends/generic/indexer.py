@@ -7,6 +7,7 @@ import torch
 
 from glmport.backends.cpu.indexer import clamp_key_ranges
 
+from .attention import _matmul
 from .tiling import rows_per_tile
 
 KEY_TILE = 65536
@@ -21,10 +22,13 @@ def _dequant(q, k, q_scale, k_scale):
     return qf, kf
 
 
-def _tile_scores(qf, kf, weights, k_start, k_end, n0, n1):
-    """``[Tc, n1 - n0]`` scores of a query chunk against key tile ``[n0, n1)``."""
+def _tile_scores(qf, kf, weights, k_start, k_end, n0, n1, masked=True):
+    """``[Tc, n1 - n0]`` scores of a query chunk against key tile ``[n0, n1)``; with
+    ``masked`` false the caller knows every query sees the whole tile."""
     dots = torch.matmul(qf, kf[n0:n1].T).relu_()  # [Tc, Hi, Nt]
-    scores = torch.matmul(weights[:, None, :], dots).squeeze(1)
+    scores = _matmul(weights[:, None, :], dots).squeeze(1)
+    if not masked:
+        return scores
     slots = torch.arange(n0, n1, device=qf.device)
     valid = (slots >= k_start[:, None]) & (slots < k_end[:, None])
     return scores.masked_fill_(~valid, float("-inf"))
@@ -46,7 +50,7 @@ def indexer_logits(q, k, weights, k_start, k_end, q_scale=None, k_scale=None):
     return out
 
 
-def _select(cand_v, cand_i, k):
+def _select_exact(cand_v, cand_i, k):
     """The best ``k`` candidates per row, best first, ties to the lower slot.
 
     Requires equal values to appear in ascending slot order along each row (true for
@@ -65,6 +69,29 @@ def _select(cand_v, cand_i, k):
     return sel_v.gather(1, order), sel_i.gather(1, order)
 
 
+def _select(cand_v, cand_i, k):
+    """What :func:`_select_exact` returns, at about the cost of one sorted ``topk``.
+
+    ``topk`` alone may break a tie between equal finite values either way (``-inf``
+    entries become ``-1``, their order is moot): inside the chosen set, or at the k-th
+    value when it also occurs outside the set. Both show as equal neighbours among the
+    best ``k + 1`` sorted values. Only rows with such a tie, rare with real scores,
+    take the exact path.
+    """
+    width = cand_v.shape[1]
+    kk = min(k, width)
+    value, pos = torch.topk(cand_v, min(kk + 1, width), dim=1)
+    equal = value[:, 1:] == value[:, :-1]
+    if bool(equal.any()):
+        tie = (equal & torch.isfinite(value[:, 1:])).any(1)
+        if bool(tie.any()):
+            rows = tie.nonzero()[:, 0]
+            value, slot = value[:, :kk], cand_i.gather(1, pos[:, :kk])
+            value[rows], slot[rows] = _select_exact(cand_v[rows], cand_i[rows], k)
+            return value, slot
+    return value[:, :kk], cand_i.gather(1, pos[:, :kk])
+
+
 def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
     t, hi, _ = q.shape
     n = k.shape[0]
@@ -81,15 +108,23 @@ def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale
         best_v = values[t0:t1, :0]
         best_i = indices[t0:t1, :0].long()
         lo, hi_ = int(ks.min()), int(ke.max())
-        for n0 in range(lo - lo % tile, hi_, tile):  # only tiles some query can see
-            n1 = min(n, n0 + tile)
-            sc = _tile_scores(qf[t0:t1], kf, weights[t0:t1], ks, ke, n0, n1)
+        # Causal prefill: a query chunk sees only [lo, hi), so only those keys are
+        # scored (half of T x N at T = N); a tile that every query sees whole is not
+        # masked (decode).
+        start_max, end_min = int(ks.max()), int(ke.min())
+        for n0 in range(lo, hi_, tile):
+            n1 = min(hi_, n0 + tile)
+            masked = start_max > n0 or end_min < n1
+            sc = _tile_scores(qf[t0:t1], kf, weights[t0:t1], ks, ke, n0, n1, masked)
             slots = torch.arange(n0, n1, device=q.device).expand(t1 - t0, -1)
-            best_v, best_i = _select(
-                torch.cat((best_v, sc), 1), torch.cat((best_i, slots), 1), topk
-            )
+            if best_v.shape[1]:
+                sc, slots = torch.cat((best_v, sc), 1), torch.cat((best_i, slots), 1)
+            best_v, best_i = _select(sc, slots, topk)
         width = best_v.shape[1]
         valid = torch.isfinite(best_v)
-        values[t0:t1, :width] = torch.where(valid, best_v, float("-inf"))
-        indices[t0:t1, :width] = torch.where(valid, best_i, -1).to(torch.int32)
+        if bool(valid.all()):
+            values[t0:t1, :width], indices[t0:t1, :width] = best_v, best_i
+        else:
+            values[t0:t1, :width] = torch.where(valid, best_v, float("-inf"))
+            indices[t0:t1, :width] = torch.where(valid, best_i, -1)
     return indices, values

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8_DTYPE
-from ..validate import FLOAT_DTYPES, Checker
+from ..validate import FLOAT_DTYPES, Checker, Level
 from .base import OpSpec, invoke
 
 _QK_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
@@ -48,10 +48,11 @@ def _check_scores_inputs(c: Checker, q, k, weights, k_start, k_end, q_scale, k_s
             )
         c.finite("weights", weights)
         c.finite("q", q)  # a NaN score would make the chosen set arbitrary
-        c.finite("k", k)
         for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
-            if s is not None:
+            if s is not None:  # k_scale: one float per slot, 1/Di of the key cache
                 c.finite_positive(name, s)
+    if values >= Level.STRICT:  # the whole key cache: as long as the decode step itself
+        c.finite("k", k)
 
 
 _SCORE_FEATURES = ("dtype", "q_heads", "head_dim", "keys")
