@@ -31,8 +31,8 @@ log = logging.getLogger("glmport")
 
 MLA_NORM_EPS = 1e-6  # q_a / kv_a norms and the indexer's key LayerNorm (not rms_norm_eps)
 # The packed forward runs MLA absorbed where some query sees more than this many times
-# index_topk keys (bench/vs_transformers.py: non-absorbed was 1.5x faster at 2-4x, and
-# absorbed 3.4x faster at 8x, on the generic backend).
+# index_topk keys (the tiny model of bench/vs_transformers.py on the generic backend,
+# 1 thread: non-absorbed was 1.5x faster at 2-4x, absorbed 3.4x faster at 8x).
 ABSORB_BEYOND = 4
 
 
@@ -334,7 +334,7 @@ class MLAProjections:
 
 @dataclass
 class AttentionRecord:
-    """What one non-absorbed :meth:`Attention.forward` saw and computed, detached: the
+    """What one packed :meth:`Attention.forward` saw and computed, detached: the
     inputs of the indexer's training loss (:mod:`glmport.model.training`)."""
 
     h: torch.Tensor  # [T, hidden] the attention input (the indexer's ``h``)
@@ -370,7 +370,7 @@ _RECORDING: ContextVar[AttentionRecording | None] = ContextVar(
 def record_attention(
     attentions: Iterable[Attention], dense: bool = False
 ) -> Iterator[dict[Attention, list[AttentionRecord]]]:
-    """Record every non-absorbed forward of ``attentions`` run by the current thread or
+    """Record every packed forward of ``attentions`` run by the current thread or
     asyncio task inside the block (other threads and tasks are unaffected), and run
     them dense if ``dense``. Yields ``{attention: [AttentionRecord, ...]}`` in the
     order of ``attentions``; blocks nest (the inner one wins until it closes)."""
@@ -385,7 +385,7 @@ def record_attention(
 class Attention(nn.Module):
     """Multi-head latent attention with DSA. Absorbed (``[T, H, kv_lora + rope]``
     queries over latent rows) where the indexer selects and over the KV cache;
-    non-absorbed (per-head keys and values) where every visible key is attended."""
+    non-absorbed (per-head keys and values) where most visible keys are attended."""
 
     def __init__(self, config: GlmMoeDsaConfig) -> None:
         super().__init__()
