@@ -282,8 +282,10 @@ class Indexer(nn.Module):
     def select(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
         """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible).
 
-        When no query sees more than ``index_topk`` keys the indexer would pick them
-        all, so it is not run (short sequences, GLM-5's RL samples among them). Each
+        A query that sees at most ``index_topk`` keys would have them all selected, so
+        the indexer runs only for the queries that see more (none for short
+        sequences, GLM-5's RL samples among them; the first ``index_topk`` tokens of
+        every prompt); the others get their visible keys in slot order. Each
         sequence's keys are a contiguous run from ``k_start``, so a slot less
         ``k_start`` is the key's position in its sequence: what a
         :func:`~glmport.model.choices.choice_tape` records and replays."""
@@ -291,18 +293,31 @@ class Indexer(nn.Module):
         tape = active_tape()
         if tape is not None and tape.replays(INDICES, self):
             indices = _replayed_slots(tape.replayed(INDICES, self), k_start, k_end)
-        elif not k_start.numel() or int((k_end - k_start).max()) <= c.index_topk:
-            # Every query sees at most top-k keys: the indexer would select them all.
-            visible = visible_slots(k_start, k_end)
-            indices = F.pad(visible, (0, c.index_topk - visible.shape[1]), value=-1)
         else:
-            q, weights = self.queries(h, q_res, cos, sin)
-            with torch.no_grad():  # a selection, not a differentiable quantity
-                indices, _ = ops.lightning_indexer(
-                    q.detach(), keys.detach(), weights.detach(), k_start, k_end, c.index_topk
+            wide = (k_end - k_start) > c.index_topk
+            if k_start.numel() and bool(wide.all()):
+                indices = self._run(h, q_res, cos, sin, keys, k_start, k_end)
+            else:
+                narrow = ~wide
+                visible = visible_slots(k_start[narrow], k_end[narrow])
+                indices = torch.full(
+                    (k_start.shape[0], c.index_topk), -1, dtype=torch.int32, device=h.device
                 )
+                indices[narrow, : visible.shape[1]] = visible
+                if bool(wide.any()):
+                    hw, qw, cw, sw, ks, ke = (x[wide] for x in (h, q_res, cos, sin, k_start, k_end))
+                    indices[wide] = self._run(hw, qw, cw, sw, keys, ks, ke)
         if tape is not None and tape.tracks(INDICES, self):
             tape.record(INDICES, self, torch.where(indices >= 0, indices - k_start[:, None], -1))
+        return indices
+
+    def _run(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
+        """``lightning_indexer``'s ``[T, index_topk]`` int32 choice for these queries."""
+        q, weights = self.queries(h, q_res, cos, sin)
+        with torch.no_grad():  # a selection, not a differentiable quantity
+            indices, _ = ops.lightning_indexer(
+                q.detach(), keys.detach(), weights.detach(), k_start, k_end, self.config.index_topk
+            )
         return indices
 
 

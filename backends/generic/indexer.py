@@ -69,27 +69,30 @@ def _select_exact(cand_v, cand_i, k):
     return sel_v.gather(1, order), sel_i.gather(1, order)
 
 
-def _select(cand_v, cand_i, k):
+def _select(cand_v, cand_i, k, offset=0):
     """What :func:`_select_exact` returns, at about the cost of one sorted ``topk``.
 
     ``topk`` alone may break a tie between equal finite values either way (``-inf``
     entries become ``-1``, their order is moot): inside the chosen set, or at the k-th
     value when it also occurs outside the set. Both show as equal neighbours among the
     best ``k + 1`` sorted values. Only rows with such a tie, rare with real scores,
-    take the exact path.
+    take the exact path. ``cand_i`` None: the candidates' slots are their columns plus
+    ``offset`` (one key tile, no running best).
     """
     width = cand_v.shape[1]
     kk = min(k, width)
     value, pos = torch.topk(cand_v, min(kk + 1, width), dim=1)
-    equal = value[:, 1:] == value[:, :-1]
-    if bool(equal.any()):
-        tie = (equal & torch.isfinite(value[:, 1:])).any(1)
-        if bool(tie.any()):
-            rows = tie.nonzero()[:, 0]
-            value, slot = value[:, :kk], cand_i.gather(1, pos[:, :kk])
-            value[rows], slot[rows] = _select_exact(cand_v[rows], cand_i[rows], k)
-            return value, slot
-    return value[:, :kk], cand_i.gather(1, pos[:, :kk])
+    value, pos, rest = value[:, :kk], pos[:, :kk], value[:, 1:]
+    slot = pos + offset if cand_i is None else cand_i.gather(1, pos)
+    equal = rest == value[:, : rest.shape[1]]
+    # Two ops and one sync on the common path; equal -inf pairs (masked keys) are no tie.
+    if bool(equal.any()) and bool((tie := equal & torch.isfinite(rest)).any()):
+        rows = tie.any(1).nonzero()[:, 0]
+        if cand_i is None:
+            cand_i = torch.arange(offset, offset + width, device=cand_v.device)
+            cand_i = cand_i.expand(cand_v.shape[0], -1)
+        value[rows], slot[rows] = _select_exact(cand_v[rows], cand_i[rows], k)
+    return value, slot
 
 
 def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
@@ -100,31 +103,43 @@ def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale
     k_start, k_end = clamp_key_ranges(k_start, k_end, n)
     tile = min(KEY_TILE, max(n, 1))
     step = _query_step(t, hi, tile + topk)
-    indices = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
-    values = torch.full((t, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    chunks = []
     for t0 in range(0, t, step):
         t1 = min(t, t0 + step)
         ks, ke = k_start[t0:t1], k_end[t0:t1]
-        best_v = values[t0:t1, :0]
-        best_i = indices[t0:t1, :0].long()
-        lo, hi_ = int(ks.min()), int(ke.max())
+        (lo, start_max), (end_min, hi_) = torch.aminmax(ks), torch.aminmax(ke)
+        lo, start_max, end_min, hi_ = int(lo), int(start_max), int(end_min), int(hi_)
+        best_v = best_i = None
         # Causal prefill: a query chunk sees only [lo, hi), so only those keys are
         # scored (half of T x N at T = N); a tile that every query sees whole is not
-        # masked (decode).
-        start_max, end_min = int(ks.max()), int(ke.min())
+        # masked (decode), and then, if it holds top-k keys, no score is -inf.
+        may_be_short = True
         for n0 in range(lo, hi_, tile):
             n1 = min(hi_, n0 + tile)
             masked = start_max > n0 or end_min < n1
             sc = _tile_scores(qf[t0:t1], kf, weights[t0:t1], ks, ke, n0, n1, masked)
-            slots = torch.arange(n0, n1, device=q.device).expand(t1 - t0, -1)
-            if best_v.shape[1]:
-                sc, slots = torch.cat((best_v, sc), 1), torch.cat((best_i, slots), 1)
-            best_v, best_i = _select(sc, slots, topk)
-        width = best_v.shape[1]
-        valid = torch.isfinite(best_v)
-        if bool(valid.all()):
-            values[t0:t1, :width], indices[t0:t1, :width] = best_v, best_i
-        else:
-            values[t0:t1, :width] = torch.where(valid, best_v, float("-inf"))
-            indices[t0:t1, :width] = torch.where(valid, best_i, -1)
-    return indices, values
+            if best_v is None:
+                best_v, best_i = _select(sc, None, topk, n0)
+            else:
+                slots = torch.arange(n0, n1, device=q.device).expand(t1 - t0, -1)
+                cand = torch.cat((best_i, slots), 1)
+                best_v, best_i = _select(torch.cat((best_v, sc), 1), cand, topk)
+            may_be_short = may_be_short and (masked or n1 - n0 < topk)
+        if best_v is None:  # no key in range
+            best_v = torch.full((t1 - t0, 0), float("-inf"), device=q.device)
+            best_i = torch.full((t1 - t0, 0), -1, dtype=torch.long, device=q.device)
+        if may_be_short:
+            valid = torch.isfinite(best_v)
+            best_i = torch.where(valid, best_i, -1)
+            best_v = torch.where(valid, best_v, float("-inf"))
+        pad = topk - best_v.shape[1]
+        if pad:
+            best_v = torch.nn.functional.pad(best_v, (0, pad), value=float("-inf"))
+            best_i = torch.nn.functional.pad(best_i, (0, pad), value=-1)
+        chunks.append((best_i.to(torch.int32), best_v))
+    if len(chunks) == 1:
+        return chunks[0]
+    if not chunks:
+        empty = torch.empty((0, topk), device=q.device)
+        return empty.to(torch.int32), empty
+    return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
