@@ -38,10 +38,9 @@ _MAX_PASSED = 4096
 
 def _validate(spec: OpSpec, args: tuple, level: Level) -> str:
     """Check ``args`` at ``level``; returns the device type of the first (tensor)
-    argument."""
-    if level:
-        spec.validate(args, values=level)
-        return args[0].device.type
+    argument. The metadata checks read nothing but the signature (shapes, dtypes,
+    devices, scalars), so a signature that passed them once skips them: in ``meta``
+    mode nothing is left to run, otherwise only the value checks."""
     sig = tuple(
         [
             (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
@@ -50,12 +49,12 @@ def _validate(spec: OpSpec, args: tuple, level: Level) -> str:
     )
     key: tuple | None = (spec.name, sig)
     try:
-        if key in _passed:
-            return sig[0][2].type
+        known = key in _passed
     except TypeError:  # an unhashable argument (a list where a tensor belongs): no cache
-        key = None
-    spec.validate(args, values=False)
-    if key is not None:
+        key, known = None, False
+    if not (known and level == Level.META):
+        spec.validate(args, values=level, metadata=not known)
+    if key is not None and not known:
         if len(_passed) >= _MAX_PASSED:
             _passed.clear()
         _passed.add(key)

@@ -55,8 +55,11 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
 class Checker:
     """Check helpers bound to one op, so every message names the op."""
 
-    def __init__(self, op: str) -> None:
+    def __init__(self, op: str, *, metadata: bool = True) -> None:
         self.op = op
+        # False: this call's signature passed the metadata checks before, so they
+        # return at once and only the value checks run.
+        self.metadata = metadata
 
     def fail(self, arg: str, expected: str, got: str, hint: str = "") -> None:
         raise OpInputError(self.op, arg, expected, got, hint)
@@ -75,6 +78,8 @@ class Checker:
         ``shape`` entries are ints, ``None`` (any size), or a ``(name, size)`` pair
         whose name appears in the message (e.g. ``("T", q.shape[0])``).
         """
+        if not self.metadata:
+            return t
         if not isinstance(t, torch.Tensor):
             self.fail(arg, "a torch.Tensor", describe(t))
         if dtypes is not None and t.dtype not in dtypes:
@@ -92,6 +97,8 @@ class Checker:
 
     def same_device(self, **tensors: torch.Tensor | None) -> None:
         """All given tensors (``None`` ignored) must live on one device."""
+        if not self.metadata:
+            return
         present = {k: v for k, v in tensors.items() if v is not None}
         first_name, first = next(iter(present.items()))
         for name, t in present.items():
@@ -103,21 +110,29 @@ class Checker:
                 )
 
     def same_dtype(self, **tensors: torch.Tensor) -> None:
+        if not self.metadata:
+            return
         first_name, first = next(iter(tensors.items()))
         for name, t in tensors.items():
             if t.dtype != first.dtype:
                 self.fail(name, f"of the same dtype as '{first_name}' ({first.dtype})", describe(t))
 
     def int_at_least(self, arg: str, value: object, low: int) -> None:
+        if not self.metadata:
+            return
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             self.fail(arg, f"an int >= {low}", describe(value))
 
     def positive_float(self, arg: str, value: object) -> None:
+        if not self.metadata:
+            return
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not ok or not math.isfinite(value) or value <= 0:
             self.fail(arg, "a finite float > 0", describe(value))
 
     def choice(self, arg: str, value: object, choices: Iterable[str]) -> None:
+        if not self.metadata:
+            return
         choices = list(choices)
         if value not in choices:
             self.fail(arg, f"one of {', '.join(repr(c) for c in choices)}", describe(value))

@@ -955,8 +955,6 @@ CASES: list[Case] = [
     Case("rope-interleaved_int", "rope", put(interleaved=1), "interleaved", ("a bool", "1")),
     Case("rope-interleaved_none", "rope", put(interleaved=None), "interleaved", ("a bool",)),
     Case("rope-interleaved_str", "rope", put(interleaved="yes"), "interleaved", ("a bool",)),
-    Case("rope-cos_nan", "rope", poke("cos", (1, 1), NAN), "cos", ("finite",), value=True),
-    Case("rope-sin_inf", "rope", poke("sin", (2, 3), INF), "sin", ("finite",), value=True),
     Case("rope-cos_on_meta", "rope", meta("cos"), "cos", ("meta",)),
     # -- token_logprobs -------------------------------------------------------------
     Case("tl-hidden_rank", "token_logprobs", put(hidden=_rand(1, T, D)), "hidden", ("2-D",)),
@@ -1041,6 +1039,8 @@ VALUE_CASES = [c for c in CASES if c.value]
 META_CASES = [c for c in CASES if not c.value]
 
 STRICT_CASES: list[Case] = [
+    Case("rope-sin_inf", "rope", poke("sin", (2, 3), INF), "sin", ("finite",), value=True),
+    Case("rope-cos_nan", "rope", poke("cos", (1, 1), NAN), "cos", ("finite",), value=True),
     Case("li-k_inf", "lightning_indexer", poke("k", (2, 3), INF), "k", ("finite",), value=True),
     Case("li-k_nan", "lightning_indexer", poke("k", (0, 0), NAN), "k", ("finite",), value=True),
     Case("il-k_inf", "indexer_logits", poke("k", (1, 1), -INF), "k", ("finite",), value=True),

@@ -53,9 +53,11 @@ class OpSpec:
         given = dict(zip(self.arg_names, args, strict=False)) | kwargs
         return tuple(given[n] if n in given else self.defaults[n] for n in self.arg_names)
 
-    def validate(self, args: tuple, *, values: bool) -> None:
-        """Raise ``OpInputError`` if ``args`` (in schema order) break the contract."""
-        self.check(Checker(self.name), *args, values=values)
+    def validate(self, args: tuple, *, values: bool, metadata: bool = True) -> None:
+        """Raise ``OpInputError`` if ``args`` (in schema order) break the contract.
+        ``metadata`` False: the caller knows this signature passed the metadata
+        checks, and only the value checks run."""
+        self.check(Checker(self.name, metadata=metadata), *args, values=values)
 
 
 # glmport.core.library installs dispatch.run here when it registers the ops: the path
