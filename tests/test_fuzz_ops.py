@@ -210,7 +210,6 @@ ROPE_BADS: dict[str, Bad] = {
     "bad:odd_D": ("x", lambda a, d: torch.ones((*a["x"].shape[:-1], 3)), ("cos", "sin")),
     "bad:cos_shape": ("cos", lambda a, d: torch.ones(a["cos"].shape[0], a["cos"].shape[1] + 1), ()),
     "bad:cos_bf16": ("cos", lambda a, d: a["cos"].bfloat16(), ()),
-    "bad:sin_nan": ("sin", lambda a, d: _with_first(a["sin"], math.nan), ()),
     "bad:interleaved_int": ("interleaved", lambda a, d: 1, ()),
     "bad:interleaved_0d": ("interleaved", lambda a, d: torch.tensor(True), ()),
     "bad:x_1d": ("x", lambda a, d: torch.ones(4), ()),
