@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
 
-from common import RESULTS, environment, flush_caches, spread, table
+from common import RESULTS, environment, flush_caches, save, spread, table
 
 import glmport
 from glmport.core.formats import SCHEMES
@@ -389,9 +388,7 @@ def main() -> None:
     ]))  # fmt: skip
     out = args.out or (None if args.quick else RESULTS / "model.json")
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"environment": environment(), **results}, indent=2))
-        print(f"\nwrote {out}")
+        save(out, {"environment": environment(), **results})
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from common import (
     environment,
     interleaved_samples,
     markdown_table,
+    save,
     spread,
     table,
 )
@@ -285,9 +286,7 @@ def main() -> None:
     print(markdown(payload))
     out = args.out or (None if args.quick else RESULTS / "moe.json")
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
-        print(f"\nwrote {out}")
+        save(out, {"environment": environment(), **payload})
 
 
 if __name__ == "__main__":
