@@ -20,7 +20,8 @@ finds the previous call's working set in cache).
 4. Peak memory of 1 and 3 against SDPA, each in a fresh process.
 
 Run: ``python bench/generic.py`` (about 15 minutes on 2 cores); ``--quick`` for a
-smoke run. Writes ``bench/results/generic.json`` and prints the tables.
+smoke run (small shapes; written only with ``--out``). Writes
+``bench/results/generic.json`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
 
 from common import (
+    RESULTS,
+    environment,
     extra_peak_mib,
     interleaved_samples,
     peak_since_reset_mib,
     reset_peak,
+    save,
     spread,
     table,
-    write,
 )
 
 import glmport
@@ -258,6 +261,7 @@ def measure_memory(case: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and repeats")
+    parser.add_argument("--out", type=Path, help="result file (default bench/results/generic.json)")
     parser.add_argument("--memory", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory:
@@ -303,8 +307,10 @@ def main() -> None:
         r["speedup_vs_naive"] for k in results if k.startswith("threads_")
         for r in results[k]["decode"]
     )  # fmt: skip
-    path = write("generic", results)
-    print(f"\nwrote {path}")
+    # Smoke timings never overwrite the committed figures.
+    out = args.out or (None if args.quick else RESULTS / "generic.json")
+    if out is not None:
+        save(out, {"environment": environment(), **results})
 
 
 if __name__ == "__main__":
