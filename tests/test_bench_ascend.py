@@ -6,30 +6,21 @@ NaN never agrees) and its report of calls the ascend backend does not serve or f
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from bench_scripts import BENCH, run_bench_json
 
 from glmport.backends.ascend import BACKEND
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "ascend_backend.py"
+SCRIPT = BENCH / "ascend_backend.py"
 SECTIONS = {"attention", "indexer", "moe", "quant", "norm_rope"}
 
 
 def test_smoke_run_covers_every_section_and_agrees_with_generic(tmp_path):
     out = tmp_path / "ascend-smoke.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = run_bench_json("ascend_backend.py", out, "--smoke", timeout=600)
     rows = data["rows"]
     assert data["smoke"] is True and {r["section"] for r in rows} == SECTIONS
     ops = {r["op"] for r in rows}

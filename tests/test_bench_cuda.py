@@ -5,27 +5,18 @@ floors are judged as the issue sets them."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from bench_scripts import BENCH, run_bench_json
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cuda_backend.py"
+SCRIPT = BENCH / "cuda_backend.py"
 
 
 def test_smoke_run_covers_every_section_and_agrees_with_generic(tmp_path):
     out = tmp_path / "cuda-smoke.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = run_bench_json("cuda_backend.py", out, "--smoke", timeout=600)
     assert data["smoke"] is True and data["floors"] == []  # timings mean nothing here
     rows = data["rows"]
     assert {r["section"] for r in rows} == {"decode", "prefill", "indexer", "gemm", "ops"}

@@ -4,30 +4,15 @@ never overwrites the committed figures."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "generic.py"
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
-    )
+from bench_scripts import BENCH, run_bench_json
 
 
 def test_quick_run_measures_every_case_against_its_baselines(tmp_path):
     out = tmp_path / "generic.json"
-    committed = SCRIPT.parent / "results" / "generic.json"
+    committed = BENCH / "results" / "generic.json"
     before = committed.read_bytes()
-    proc = _run("--quick", "--out", str(out))
+    data = run_bench_json("generic.py", out, "--quick")
     assert committed.read_bytes() == before
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
     assert data["command"].endswith("--quick")
     for threads in (1, 2):
         run = data[f"threads_{threads}"]

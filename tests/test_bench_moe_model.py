@@ -5,27 +5,13 @@ computes the same model as DSA with a top-k covering every key."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_scripts import run_bench_json
 
 
 def _run(script: str, out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_bench_json(script, out, "--quick", env={"OMP_NUM_THREADS": "1"})
 
 
 def test_moe_bench_times_every_baseline_and_agrees_with_the_loop(tmp_path):

@@ -4,31 +4,15 @@ with transformers' on the same tokens."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_scripts import BENCH, run_bench, run_bench_json
 
 pytest.importorskip("transformers", minversion="5.18")
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "rl.py"
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 def test_smoke_run_measures_every_case_and_agrees_with_transformers(tmp_path):
     out = tmp_path / "rl-smoke.json"
-    proc = _run("--smoke", "--out", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = run_bench_json("rl.py", out, "--smoke")
     assert data["smoke"] is True and data["threads"] == [1] and data["repeats"] == 1
     # 4 prompts x 2 samples, 4 new tokens each: 32 tokens per rollout / training batch.
     assert data["batch"]["sequences"] == 4 * 2
@@ -71,8 +55,8 @@ def test_smoke_run_measures_every_case_and_agrees_with_transformers(tmp_path):
 
 
 def test_smoke_refuses_to_write_into_bench_results():
-    proc = _run("--smoke")
+    proc = run_bench("rl.py", "--smoke")
     assert proc.returncode == 2 and "--smoke needs --out" in proc.stderr
-    results = SCRIPT.parent / "results" / "rl-smoke.json"
-    proc = _run("--smoke", "--out", str(results))
+    results = BENCH / "results" / "rl-smoke.json"
+    proc = run_bench("rl.py", "--smoke", "--out", str(results))
     assert proc.returncode == 2 and not results.exists()

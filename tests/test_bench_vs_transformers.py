@@ -4,31 +4,15 @@ equal transformers' once glmport replays transformers' discrete choices."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_scripts import run_bench, run_bench_json
 
 pytest.importorskip("transformers", minversion="5.18")
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "vs_transformers.py"
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600
-    )
 
 
 def test_quick_run_times_both_sides_and_agrees_with_transformers(tmp_path):
     out = tmp_path / "vs.json"
-    proc = _run("--quick", "--out", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = run_bench_json("vs_transformers.py", out, "--quick", timeout=600)
     assert data["config"]["index_topk"] < 300  # the quick prompt runs the indexer
     for case in ("prefill", "decode"):
         (row,) = data[case]
@@ -46,5 +30,5 @@ def test_quick_run_times_both_sides_and_agrees_with_transformers(tmp_path):
 
 
 def test_quick_needs_an_out_path():
-    proc = _run("--quick")
+    proc = run_bench("vs_transformers.py", "--quick")
     assert proc.returncode == 2 and "--quick needs --out" in proc.stderr
