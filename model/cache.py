@@ -247,11 +247,11 @@ class StepOutput:
 class _Plan:
     """Where a step's ``T`` new tokens go and what each may see.
 
-    ``new_slots [T]``: physical slots written. ``key_slots [sum L]``: every cached token
-    of every sequence, sequence after sequence in logical order (the packed indexer
-    keys are gathered from these); ``key_base``: when those slots are one run of
-    consecutive physical slots (a lone sequence in a fresh cache), its first slot, and
-    the packed keys are a view of the cache instead of a copy. ``k_start / k_end [T]``
+    ``new_slots [T]``: physical slots written. The packed keys are every cached token of
+    every sequence (``num_keys``), sequence after sequence in logical order: when their
+    slots are one run of consecutive physical slots (a lone sequence in a fresh cache)
+    ``key_base`` is its first slot and the packed keys are a view of the cache; else
+    ``key_slots [num_keys]`` lists the slots to gather. ``k_start / k_end [T]``
     int32: each query's causal range in that packed order. ``last [B]``: each
     sequence's last new token in ``T``. ``seq_ids`` / ``positions [T]`` int64: each new
     token's sequence id and position.
@@ -260,13 +260,26 @@ class _Plan:
     new_slots: torch.Tensor
     seq_ids: torch.Tensor
     positions: torch.Tensor
-    key_slots: torch.Tensor
+    num_keys: int
     key_base: int | None
+    key_slots: torch.Tensor | None
     k_start: torch.Tensor
     k_end: torch.Tensor
     last: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+
+    def packed_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """``[num_keys, D]`` rows of a cache layer ``keys`` in packed order."""
+        if self.key_slots is None:
+            return keys[self.key_base : self.key_base + self.num_keys]
+        return keys[self.key_slots]
+
+    def physical(self, picked: torch.Tensor) -> torch.Tensor:
+        """Packed positions ``picked [T, K]`` (``-1``: none) as physical slots."""
+        if self.key_slots is None:
+            return torch.where(picked >= 0, picked + self.key_base, -1)
+        return torch.where(picked >= 0, self.key_slots[picked.long().clamp_min(0)], -1)
 
 
 def _plan(
@@ -281,7 +294,7 @@ def _plan(
         raise ConfigError(f"a cached step needs >= 1 new token per sequence, got {counts}")
     starts = [cache.length(s) for s in seqs]
     new_slots = cache.append_batch(seqs, counts)
-    positions, seq_ids, key_slots, k_start, k_end = [], [], [], [], []
+    positions, seq_ids, k_start, k_end = [], [], [], []
     offset = 0
     key_base = cache.first_slot_if_contiguous(seqs[0])
     for seq, start, n in zip(seqs, starts, counts, strict=True):
@@ -290,7 +303,6 @@ def _plan(
         pos = torch.arange(start, start + n)
         positions.append(pos)
         seq_ids.append(torch.full((n,), seq))
-        key_slots.append(cache.slots(seq))
         k_start.append(torch.full((n,), offset))
         k_end.append(offset + pos + 1)
         offset += start + n
@@ -300,8 +312,11 @@ def _plan(
         new_slots=torch.cat(new_slots).to(device),
         seq_ids=torch.cat(seq_ids).to(device),
         positions=positions,
-        key_slots=torch.cat(key_slots).to(device),
+        num_keys=offset,
         key_base=key_base,
+        key_slots=None
+        if key_base is not None
+        else torch.cat([cache.slots(s) for s in seqs]).to(device),
         k_start=torch.cat(k_start).to(device, torch.int32),
         k_end=torch.cat(k_end).to(device, torch.int32),
         last=(torch.tensor(counts).cumsum(0) - 1).to(device),
@@ -322,14 +337,9 @@ def _layer_step(
     keys[plan.new_slots] = attn.indexer.keys(h, plan.cos, plan.sin).to(keys.dtype)
     # The indexer sees each sequence's keys packed in logical order, so its ranges are
     # contiguous and its ties break by position exactly as in the uncached forward.
-    base, n = plan.key_base, plan.key_slots.shape[0]
-    packed = keys[plan.key_slots] if base is None else keys[base : base + n]
+    packed = plan.packed_keys(keys)
     picked = attn.indexer.select(h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end)
-    if base is None:
-        slots = torch.where(picked >= 0, plan.key_slots[picked.long().clamp_min(0)], -1)
-    else:
-        slots = torch.where(picked >= 0, picked + base, -1)
-    x = x + attn.attend_latent(p, latent, slots)
+    x = x + attn.attend_latent(p, latent, plan.physical(picked))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
