@@ -17,6 +17,8 @@ Reports, per variant and temperature and as the worst over them, mean and max
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import glmport
@@ -101,6 +103,28 @@ def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).float().cpu()
 
 
+def _runner_logprobs(
+    runner: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """:func:`_logprobs` through a backend's whole-model runner (``input_ids [1, S] ->
+    logits [1, S, V]``, see ``Backend.model_runner``): each sequence alone, unpadded;
+    log-softmax of the logits over the temperatures in fp32 on the CPU."""
+    rows = []
+    for seq, valid in zip(ids, mask.bool(), strict=True):
+        tokens = seq[valid]
+        logits = runner(tokens[None]).float().cpu()[0, :-1]
+        targets = tokens[1:].cpu()
+        rows.append(
+            torch.stack(
+                [
+                    torch.log_softmax(logits / t, dim=-1).gather(1, targets[:, None])[:, 0]
+                    for t in TEMPERATURES
+                ]
+            )
+        )
+    return torch.cat(rows, dim=1)
+
+
 def _mismatch(delta: torch.Tensor) -> dict[str, float]:
     """Metrics of ``delta = logp_backend - logp_ref`` ``[n]``."""
     rho = torch.exp(delta)
@@ -141,8 +165,12 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
             ref = _logprobs(model, ids, mask)
         model = model.to(device=device)
         with use_backend(backend):
-            prepare_weights(model)  # the backend's own layout of the same packed weights
-            got = _logprobs(model, ids.to(device), mask.to(device))
+            runner = REGISTRY.get(backend).model_runner(model)
+            if runner is None:
+                prepare_weights(model)  # the backend's own layout of the same packed weights
+                got = _logprobs(model, ids.to(device), mask.to(device))
+            else:
+                got = _runner_logprobs(runner, ids.to(device), mask.to(device))
         for temperature, delta in zip(TEMPERATURES, got - ref, strict=True):
             where = f"{label} T={temperature:g}"
             found = _mismatch(delta)

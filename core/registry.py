@@ -206,6 +206,13 @@ class Backend:
         ``"<op>:prepared"`` kernel reads them), or None to keep the canonical layout."""
         return None
 
+    def model_runner(self, model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How the conformance suite's model-level check runs a whole model here:
+        ``input_ids [1, S]`` int64 -> ``logits [1, S, V]``. None (the default): the
+        model runs eagerly, op by op, on this backend's kernels. A backend that executes
+        compiled graphs (an export runtime) returns the exported model's forward."""
+        return None
+
     def device_type(self, emulate: bool) -> str:
         """The device its kernels take: CPU tensors when emulated."""
         if emulate and self.manifest.emulation:

@@ -1,1 +1,14 @@
-"""glmport.export: ONNX and TVM export of the ops and the model. Not built yet."""
+"""glmport.export: GLM-5 and every glmport op to ONNX (onnxruntime) and TVM (Relax).
+
+- :mod:`.graph`: the model's forward as one static graph (prefill, decode step) for
+  ``torch.export``; :mod:`.check` compares an export with the eager model.
+- :mod:`.onnx_ops`: each op as an ``ai.glmport`` node with an ONNX function body;
+  :mod:`.onnx_model`: the model to ONNX and onnxruntime sessions of it.
+- :mod:`.tvm_ops`: each op lowered to Relax; :mod:`.tvm_model`: the model to a
+  compiled Relax VM module (from torch.export or from the ONNX export).
+- :mod:`.ort_backend`, :mod:`.tvm_backend`: onnxruntime and TVM as glmport backends, so
+  the conformance suite judges them (each op exported alone and run in the runtime).
+
+Everything but :mod:`.graph` and :mod:`.check` needs the ``export`` extra (onnx,
+onnxruntime, onnxscript, apache-tvm); nothing here is imported by ``import glmport``.
+"""

@@ -1,0 +1,152 @@
+"""The GLM-5 forward as one static graph: what ``torch.export`` traces for ONNX and TVM.
+
+The eager model (:mod:`glmport.model.modeling`) picks its work per call from the data:
+the indexer runs only for queries that see more than ``index_topk`` keys, the MLA form
+follows the widest visible range, a choice tape may replay decisions. A graph cannot
+branch on data, so :class:`StepGraph` fixes one path: every query runs the lightning
+indexer (a query with fewer visible keys gets them all, ``-1`` padded) and attends in
+the absorbed MLA form over the latent rows. Both paths compute the same function (the
+model tests compare them); this one reuses the model's own modules and weights.
+
+One step takes ``S`` new tokens of ``B`` sequences that already hold ``P`` cached
+positions each: prefill is the step with ``P = 0``, decode the step with ``S = 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+import glmport.ops as ops
+from glmport.core.errors import GlmportError, UnsupportedError
+from glmport.model.causal_lm import GlmMoeDsaForCausalLM
+from glmport.model.modeling import DecoderLayer
+
+GraphKind = Literal["prefill", "decode"]
+GRAPH_KINDS: tuple[GraphKind, ...] = ("prefill", "decode")
+GRAPH_INPUTS: dict[str, tuple[str, ...]] = {
+    "prefill": ("input_ids",),
+    "decode": ("input_ids", "past_latent", "past_index_keys"),
+}
+GRAPH_OUTPUTS = ("logits", "present_latent", "present_index_keys")
+
+
+class StepGraph(nn.Module):
+    """``S`` new tokens per sequence on top of ``P`` cached ones, as one static graph.
+
+    Inputs: ``input_ids [B, S]`` int64; ``past_latent [L, B, P, kv_lora + rope]`` and
+    ``past_index_keys [L, B, P, index_head_dim]`` in the model's dtype (``L`` decoder
+    layers; ``P`` may be 0). Outputs: ``logits [B, S, V]`` and both caches grown to
+    ``P + S`` positions (``present_latent``, ``present_index_keys``). Every sequence
+    holds the same number of positions (no padding inside the graph).
+    """
+
+    def __init__(self, model: GlmMoeDsaForCausalLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, past_latent: torch.Tensor, past_index_keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        body = self.model.model
+        b, s = input_ids.shape
+        p = past_latent.shape[2]
+        total = p + s
+        # Queries are packed [B * S]; each sequence's keys are the run [b * total, (b+1) * total).
+        # (Broadcasts, not repeat / repeat_interleave: ONNX export bakes their sizes.)
+        dev = input_ids.device
+        positions = (p + torch.arange(s, device=dev))[None, :].expand(b, s).reshape(-1)
+        seq_start = (torch.arange(b, device=dev) * total)[:, None].expand(b, s).reshape(-1)
+        k_start = seq_start.to(torch.int32)
+        k_end = (k_start + positions + 1).to(torch.int32)
+        cos, sin = body.rope(positions)
+        x = body.embed_tokens(input_ids.reshape(-1))
+        latents, index_keys = [], []
+        for i, layer in enumerate(body.decoder_layers):
+            x, latent, keys = _layer(
+                layer, x, cos, sin, past_latent[i], past_index_keys[i], k_start, k_end
+            )
+            latents.append(latent)
+            index_keys.append(keys)
+        logits = self.model.lm_head(body.norm(x)).view(b, s, -1)
+        return logits, torch.stack(latents), torch.stack(index_keys)
+
+
+def _layer(
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    past_latent: torch.Tensor,
+    past_keys: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer on the packed new tokens ``x [B*S, hidden]``; returns the new
+    ``x`` and this layer's grown caches ``[B, P+S, ...]``."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    proj = attn.project(h, cos, sin)
+    b = past_latent.shape[0]
+    latent = torch.cat((past_latent, proj.latent.view(b, -1, proj.latent.shape[-1])), dim=1)
+    new_keys = attn.indexer.keys(h, cos, sin)
+    keys = torch.cat((past_keys, new_keys.view(b, -1, new_keys.shape[-1])), dim=1)
+    q, weights = attn.indexer.queries(h, proj.q_res, cos, sin)
+    indices, _ = ops.lightning_indexer(
+        q, keys.reshape(-1, keys.shape[-1]), weights, k_start, k_end, attn.config.index_topk
+    )
+    out = attn.attend_latent(proj, latent.reshape(-1, latent.shape[-1]), indices)
+    x = x + out
+    return x + layer.mlp(layer.post_attention_layernorm(x)), latent, keys
+
+
+class PrefillGraph(StepGraph):
+    """The step with empty caches: ``input_ids [B, S]`` -> logits and caches ``[L, B, S, ...]``."""
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return super().forward(input_ids, *empty_caches(self.model, input_ids.shape[0]))
+
+
+def traced_graph(
+    model: GlmMoeDsaForCausalLM, kind: GraphKind
+) -> tuple[nn.Module, tuple[torch.Tensor, ...], tuple[dict[int, object], ...]]:
+    """The module of ``kind``, example inputs and ``torch.export`` dynamic shapes (batch,
+    sequence and cached positions are free) for exporting ``model`` (put in eval mode)."""
+    if kind not in GRAPH_KINDS:
+        raise ValueError(f"graph kind must be one of {GRAPH_KINDS}, got {kind!r}")
+    model.eval()
+    batch, seq, past = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past"))
+    ids = torch.zeros((2, 3), dtype=torch.long, device=model.lm_head.weight.device)
+    if kind == "prefill":
+        return PrefillGraph(model).eval(), (ids,), ({0: batch, 1: seq},)
+    caches = empty_caches(model, 2, 5)
+    dynamic = ({0: batch}, {1: batch, 2: past}, {1: batch, 2: past})
+    return StepGraph(model).eval(), (ids[:, :1], *caches), dynamic
+
+
+def root_cause(err: BaseException) -> GlmportError:
+    """The glmport error behind an exporter's wrapped one (an op translation that cannot
+    take a call raises one naming the op), else an :class:`UnsupportedError` carrying the
+    exporter's own message."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, GlmportError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return UnsupportedError(f"export failed: {type(err).__name__}: {err}")
+
+
+def empty_caches(
+    model: GlmMoeDsaForCausalLM, batch: int, positions: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero caches ``[L, batch, positions, ...]`` in the model's dtype and device (``positions
+    = 0``: the inputs of a prefill step)."""
+    c = model.config
+    w = model.lm_head.weight
+    shape = (c.num_hidden_layers, batch, positions)
+    return (
+        w.new_zeros((*shape, c.kv_lora_rank + c.qk_rope_head_dim)),
+        w.new_zeros((*shape, c.index_head_dim)),
+    )
