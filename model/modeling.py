@@ -428,7 +428,8 @@ class Attention(nn.Module):
         c_kv = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
         # One rope call for the query heads and the shared key head (one op call less).
         pe = ops.rope(torch.cat((q_pe, kv[:, None, c.kv_lora_rank :]), dim=1), cos, sin, True)
-        q_pe, k_pe = pe[:, :-1], pe[:, -1]
+        heads = c.num_attention_heads  # (not pe[:, -1]: TVM's importer misreads it)
+        q_pe, k_pe = pe[:, :heads], pe[:, heads]
         return MLAProjections(q_nope, q_pe, q_res, torch.cat((c_kv, k_pe), dim=-1))
 
     def _kv_up(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,7 +125,9 @@ def test_the_wheel_registers_the_builtin_backends_and_the_pytest_plugin(wheel):
     eps = configparser.ConfigParser()
     eps.read_string(wheel.read(name).decode())
     assert dict(eps["glmport.backends"]) == {
-        b: f"glmport.backends.{b}:BACKEND" for b in ("cpu", "generic", "cuda", "ascend")
+        **{b: f"glmport.backends.{b}:BACKEND" for b in ("cpu", "generic", "cuda", "ascend")},
+        "onnxruntime": "glmport.export.ort_backend:BACKEND",
+        "tvm": "glmport.export.tvm_backend:BACKEND",
     }
     assert dict(eps["pytest11"]) == {"glmport": "pytest_glmport"}
 

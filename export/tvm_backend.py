@@ -1,0 +1,172 @@
+"""The ``tvm`` backend: every glmport op lowered to Relax (:mod:`.tvm_ops`), compiled for
+the llvm target and run in the Relax VM on CPU tensors.
+
+A conformance target for the TVM export path rather than a fast backend (priority
+-10: ``auto`` never picks it). Each call's signature family -- op, scalar arguments,
+input dtypes and ranks, which optional inputs are None -- is compiled once; sizes are
+symbolic, so one module serves every shape. Tensors cross by DLPack (bf16 and fp16
+included). float8 is outside its capabilities: TVM's llvm target converts
+float8_e4m3fn wrongly. ``tvm`` is imported when the kernels load, never with glmport.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
+from glmport.core.specs import OP_NAMES
+
+log = logging.getLogger("glmport")
+
+_NOT_FP8 = (torch.float32, torch.bfloat16, torch.float16)
+_INT_SCHEMES = ("w8a8", "w4a8", "w4a16")
+# (w_scale, group_size) positions: with a packed weight group_size is not read.
+_PACKED_GROUP = {"quant_gemm": (2, 4), "grouped_gemm": (3, 5)}
+
+
+class _Compiled:
+    """Relax VM functions, one per signature family, compiled on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._functions: dict[tuple, Callable[..., Any]] = {}
+
+    @staticmethod
+    def family(op: str, args: tuple) -> tuple:
+        """What a compiled module depends on: op, scalars, tensor dtypes and ranks."""
+
+        def part(a: object) -> object:
+            if isinstance(a, torch.Tensor):
+                return ("tensor", a.dtype, a.dim())
+            return a  # a scalar attribute, or None for an absent optional input
+
+        parts = list(map(part, args))
+        if op in _PACKED_GROUP and args[_PACKED_GROUP[op][0]] is not None:
+            parts[_PACKED_GROUP[op][1]] = None  # packed: groups come from w_scale's shape
+        return (op, *parts)
+
+    def function(self, op: str, args: tuple) -> Callable[..., Any]:
+        """The compiled ``main`` of ``op``'s family for ``args``; calls to one function
+        are serialised (a Relax VM is not safe to run from two threads at once)."""
+        key = self.family(op, args)
+        with self._lock:
+            if key not in self._functions:
+                import tvm
+                from tvm import relax
+
+                from .tvm_ops import op_module
+
+                executable = compile_relax(op_module(op, args))
+                main = relax.VirtualMachine(executable, tvm.cpu())["main"]
+                self._functions[key] = _serialised(main)
+            return self._functions[key]
+
+    def __len__(self) -> int:
+        return len(self._functions)
+
+
+def _serialised(function: Callable[..., Any]) -> Callable[..., Any]:
+    lock = threading.Lock()
+
+    def call(*args: Any) -> Any:
+        with lock:
+            return function(*args)
+
+    return call
+
+
+COMPILED = _Compiled()
+
+
+def compile_relax(mod: Any) -> Any:
+    """A Relax ``IRModule`` compiled for the CPU (llvm): the "zero" pipeline (legalise,
+    fold constants, fuse; no tuning), then ``tvm.compile``. Returns the VM executable.
+
+    TVM 0.27's operator fusion (FuseTIR) fails on some graphs whose shapes are sums of
+    symbolic sizes (the decode step's ``past + 1`` keys): those compile unfused, the
+    same computation in more kernels, with one log line saying so."""
+    import tvm
+    from tvm import relax
+    from tvm.relax import transform
+
+    try:
+        lowered = relax.get_pipeline("zero")(mod)
+    except tvm.error.InternalError as err:
+        log.info("glmport: TVM could not fuse this graph (%s); compiling it unfused", err)
+        unfused = tvm.transform.Sequential(
+            [transform.LegalizeOps(), transform.AnnotateTIROpPattern(), transform.FoldConstant()]
+        )
+        lowered = unfused(mod)
+    return tvm.compile(lowered, target="llvm")
+
+
+def from_tvm(value: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A VM result (a tensor or a tuple of them) as torch tensors, through DLPack."""
+    import tvm
+
+    if isinstance(value, tvm.runtime.Tensor):
+        return torch.from_dlpack(value)
+    return tuple(torch.from_dlpack(v) for v in value)
+
+
+def to_tvm(t: torch.Tensor) -> Any:
+    """A CPU tensor as a TVM tensor through DLPack. TVM's import wants a 64-byte aligned
+    address: a view that starts elsewhere in a larger tensor is copied first."""
+    import tvm
+
+    t = t.detach().contiguous()
+    return tvm.runtime.from_dlpack(t.clone() if t.data_ptr() % 64 else t)
+
+
+def _kernel(op: str) -> Kernel:
+    def run(*args: object) -> object:
+
+        function = COMPILED.function(op, args)
+        return from_tvm(function(*(to_tvm(a) for a in args if isinstance(a, torch.Tensor))))
+
+    run.__name__ = run.__qualname__ = f"tvm_{op}"
+    return run
+
+
+class TvmBackend(Backend):
+    manifest = BackendManifest(
+        name="tvm",
+        device_type="cpu",
+        description="Apache TVM: each op lowered to Relax, compiled for llvm, run in the Relax VM",
+        ops=OP_NAMES,
+        # float8 operands: TVM's llvm target converts float8_e4m3fn wrongly.
+        capabilities={
+            "lightning_indexer": Capability(dtype=_NOT_FP8),
+            "indexer_logits": Capability(dtype=_NOT_FP8),
+            "quantize": Capability(format=("int8_row", "int4_group")),
+            "quant_gemm": Capability(scheme=_INT_SCHEMES),
+            "grouped_gemm": Capability(scheme=_INT_SCHEMES),
+        },
+        priority=-10,  # a conformance target for the export path, never auto's choice
+        verified="TVM (llvm target): CPU (x86_64), CI",
+        stack=("apache-tvm",),
+    )
+
+    def probe(self, emulate: bool) -> Availability:
+        if importlib.util.find_spec("tvm") is None:
+            return Availability(False, "apache-tvm is not installed: pip install 'glmport[export]'")
+        return Availability(True)
+
+    def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
+        return {op: _kernel(op) for op in OP_NAMES}
+
+    def model_runner(self, model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The model's prefill graph, torch.export -> Relax -> llvm: ``input_ids -> logits``."""
+        from .tvm_model import TvmModel
+
+        graph = TvmModel.build(model, "prefill")
+        return lambda input_ids: graph.run(input_ids)[0]
+
+
+BACKEND = TvmBackend()

@@ -1,0 +1,174 @@
+"""The GLM-5 model to TVM (Relax), compiled for the CPU, and the compiled model run in
+the Relax VM.
+
+Two roads in: ``torch.export`` of :mod:`.graph`'s static forward into
+``from_exported_program``, with :mod:`.tvm_ops` lowering every glmport op to Relax ops
+(``source="torch"``), or the ONNX export with its ``ai.glmport`` nodes inlined into
+``from_onnx`` (``source="onnx"``, fixed shapes). Importing this module needs the ``export``
+extra.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import onnx
+import torch
+import tvm
+from tvm import relax
+
+from glmport.core.errors import ConfigError, UnsupportedError
+from glmport.core.formats import FP8_DTYPE
+from glmport.model.causal_lm import GlmMoeDsaForCausalLM
+
+from .graph import GraphKind, root_cause, traced_graph
+from .tvm_backend import compile_relax, from_tvm, to_tvm
+from .tvm_ops import FP8_REASON, convert_map
+
+Source = Literal["torch", "onnx"]
+SOURCES: tuple[Source, ...] = ("torch", "onnx")
+_LIBRARY = "model.so"
+_META = "glmport_export.json"
+
+
+def relax_module(
+    model: GlmMoeDsaForCausalLM,
+    kind: GraphKind = "prefill",
+    source: Source = "torch",
+    *,
+    fixed: Mapping[str, int] | None = None,
+) -> tvm.IRModule:
+    """``model``'s graph of ``kind`` as a Relax module, weights bound as constants.
+
+    From torch (the default), batch, sequence and cache axes stay symbolic. From ONNX,
+    ``fixed`` sets them (``batch`` and ``seq``; ``batch`` and ``past`` for decode): TVM
+    0.27's ONNX importer cannot take the shape arithmetic of a dynamic export (it reads
+    ``Squeeze(Shape(x))`` as a scalar its ``Reshape`` refuses), so the axes are fixed and
+    that arithmetic folded to constants (onnxscript's optimiser) first. Raises
+    :class:`~glmport.core.errors.UnsupportedError` naming an op TVM cannot take."""
+    if source not in SOURCES:
+        raise ConfigError(f"source must be one of {SOURCES}, got {source!r}")
+    if source == "onnx":
+        sizes = _fixed_sizes(model, kind, fixed)
+    try:
+        if source == "torch":
+            from tvm.relax.frontend.torch import from_exported_program
+
+            graph, args, dynamic = traced_graph(model, kind)
+            program = torch.export.export(graph, args, dynamic_shapes=dynamic)
+            _refuse_fp8_inputs(program)
+            return from_exported_program(program, custom_convert_map=convert_map())
+        import onnxscript
+        from tvm.relax.frontend.onnx import from_onnx
+
+        from .onnx_model import export_onnx
+
+        proto = export_onnx(model, kind, inline=True)
+        for value, shape in zip(proto.graph.input, sizes, strict=True):
+            for dim, size in zip(value.type.tensor_type.shape.dim, shape, strict=True):
+                dim.dim_value = size
+        return from_onnx(_constants_as_value(onnxscript.optimizer.optimize(proto)))
+    except Exception as err:
+        raise root_cause(err) from err
+
+
+def _fixed_sizes(
+    model: GlmMoeDsaForCausalLM, kind: GraphKind, fixed: Mapping[str, int] | None
+) -> list[tuple[int, ...]]:
+    """The graph inputs' static shapes from ``fixed`` (see :func:`relax_module`)."""
+    c = model.config
+    want = ("batch", "seq") if kind == "prefill" else ("batch", "past")
+    fixed = dict(fixed or {})
+    if set(fixed) != set(want) or not all(isinstance(fixed[k], int) and fixed[k] > 0 for k in want):
+        raise ConfigError(
+            f"the ONNX road into TVM compiles fixed shapes: give {' and '.join(want)} as "
+            f"positive integers (got {fixed or 'none'})"
+        )
+    if kind == "prefill":
+        return [(fixed["batch"], fixed["seq"])]
+    b, p, layers = fixed["batch"], fixed["past"], c.num_hidden_layers
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    return [(b, 1), (layers, b, p, latent), (layers, b, p, c.index_head_dim)]
+
+
+def _refuse_fp8_inputs(program: torch.export.ExportedProgram) -> None:
+    """A float8 weight (FP8-block GEMMs) cannot enter TVM: name the op that reads it."""
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and getattr(value, "dtype", None) == FP8_DTYPE:
+            readers = sorted({str(user.target).split(".")[-2] for user in node.users})
+            raise UnsupportedError(
+                f"TVM export: {', '.join(readers)} reads the float8 tensor {node.name}: "
+                f"{FP8_REASON}; export such a model to ONNX, or quantise it without fp8"
+            )
+
+
+def _constants_as_value(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``from_onnx`` reads a Constant node's ``value`` only: rewrite ``value_int`` /
+    ``value_ints`` / ``value_float(s)`` into an equal ``value`` tensor."""
+    kinds = {
+        "value_int": onnx.TensorProto.INT64,
+        "value_ints": onnx.TensorProto.INT64,
+        "value_float": onnx.TensorProto.FLOAT,
+        "value_floats": onnx.TensorProto.FLOAT,
+    }
+    for node in proto.graph.node:
+        if node.op_type != "Constant" or node.attribute[0].name not in kinds:
+            continue
+        attr = node.attribute[0]
+        value = onnx.helper.get_attribute_value(attr)
+        dims = [len(value)] if isinstance(value, list) else []
+        values = value if isinstance(value, list) else [value]
+        tensor = onnx.helper.make_tensor("value", kinds[attr.name], dims, values)
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("value", tensor))
+    return proto
+
+
+@dataclass
+class TvmModel:
+    """A compiled graph in the Relax VM: ``run`` takes the graph's inputs as torch tensors
+    and returns its outputs (logits, present latent, present index keys)."""
+
+    executable: relax.VMExecutable
+    kind: GraphKind
+    config: dict
+    fixed: dict[str, int] = field(default_factory=dict)  # static axes (the ONNX road)
+
+    @classmethod
+    def build(
+        cls,
+        model: GlmMoeDsaForCausalLM,
+        kind: GraphKind = "prefill",
+        source: Source = "torch",
+        *,
+        fixed: Mapping[str, int] | None = None,
+    ) -> TvmModel:
+        """Compile ``model``'s graph of ``kind`` (see :func:`relax_module`)."""
+        mod = relax_module(model, kind, source, fixed=fixed)
+        return cls(compile_relax(mod), kind, model.config.to_dict(), dict(fixed or {}))
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``model.so`` and ``glmport_export.json`` (graph kind, config, fixed axes)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.executable.export_library(str(folder / _LIBRARY))
+        meta = {"graph": self.kind, "config": self.config, "fixed": self.fixed, "library": _LIBRARY}
+        (folder / _META).write_text(json.dumps(meta, indent=1))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> TvmModel:
+        folder = Path(folder)
+        meta = json.loads((folder / _META).read_text())
+        library = tvm.runtime.load_module(str(folder / meta["library"]))
+        return cls(library, meta["graph"], meta["config"], meta.get("fixed", {}))
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        vm = relax.VirtualMachine(self.executable, tvm.cpu())
+        out = vm["main"](*(to_tvm(t) for t in inputs))
+        return tuple(from_tvm(o) for o in out)

@@ -1,0 +1,641 @@
+"""The glmport ops as Relax graphs (Apache TVM 0.27).
+
+One emitter per op builds the op from standard Relax ops (``matmul``, ``take``,
+``topk``, ``where``, reductions, ``scatter_elements``...) through a
+``relax.BlockBuilder``. Two entry points share them:
+
+* :func:`convert_map` -- the ``custom_convert_map`` of
+  ``tvm.relax.frontend.torch.from_exported_program``, so an exported program that calls
+  ``torch.ops.glmport.*`` imports into one Relax module;
+* :func:`op_module` -- a Relax ``main`` for one op call with symbolic sizes, which the
+  ``tvm`` conformance backend (:mod:`glmport.export.tvm_backend`) compiles once per
+  signature family.
+
+Emitters compute in float32 (bf16 / fp16 inputs are cast right after they enter) and
+return the reference's dtypes (``backends/cpu`` is the readable reference). float8
+inputs and outputs raise :class:`~glmport.core.errors.UnsupportedError`: TVM's llvm
+target converts float8_e4m3fn wrongly (1e-3 comes back as 0.026). ``tvm`` is imported
+inside functions only: importing this module does not import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from glmport.core.errors import UnsupportedError
+from glmport.core.formats import (
+    FLOAT_WEIGHT,
+    FORMATS,
+    FP8_DTYPE,
+    INT4_QMAX,
+    INT8_MAX,
+    INT_AMAX_FLOOR,
+    SCHEMES,
+)
+from glmport.core.specs import OP_NAMES
+
+FP8_REASON = "TVM's llvm target has no correct float8_e4m3fn conversion (1e-3 converts to 0.026)"
+_NEG_INF = float("-inf")
+
+
+class _Graph:
+    """A ``relax.BlockBuilder`` with the shorthand the emitters use: calling it emits
+    an expression and returns the bound variable (whose struct info carries the shape)."""
+
+    def __init__(self, bb: Any) -> None:
+        from tvm import relax
+
+        self.bb, self.relax, self.op = bb, relax, relax.op
+
+    def __call__(self, expr: Any) -> Any:
+        return self.bb.emit(expr)
+
+    def item(self, tup: Any, i: int) -> Any:
+        return self(self.relax.TupleGetItem(tup, i))
+
+    @staticmethod
+    def shape(x: Any) -> list:
+        return list(x.ty.shape)
+
+    @staticmethod
+    def dtype(x: Any) -> str:
+        return str(x.ty.dtype)
+
+    def const(self, value: float | int, dtype: str = "float32") -> Any:
+        return self.relax.const(value, dtype)
+
+    def dim(self, n: Any, dtype: str = "int64") -> Any:
+        """A ``[1]`` tensor holding the (possibly symbolic) size ``n``. (Not ``arange(n,
+        n + 1)``: legalised with symbolic sizes its length becomes an expression that
+        broadcasting then spreads into other shapes, which matmul cannot legalise.)"""
+        from tvm import relax
+
+        return self(self.op.astype(self.op.shape_to_tensor(relax.ShapeExpr([n])), dtype))
+
+    def neg_inf(self, shape: list) -> Any:
+        """A float32 tensor of ``-inf`` (``0 - inf``: TVM 0.27's ``full`` cannot legalise an
+        infinite fill value)."""
+        return self(self.op.subtract(self.op.zeros(shape, "float32"), self.const(float("inf"))))
+
+    def f32(self, x: Any) -> Any:
+        return x if self.dtype(x) == "float32" else self(self.op.astype(x, "float32"))
+
+    def i64(self, x: Any) -> Any:
+        return x if self.dtype(x) == "int64" else self(self.op.astype(x, "int64"))
+
+    def clamp(self, x: Any, lo: Any, hi: Any) -> Any:
+        return self(self.op.minimum(self.op.maximum(x, lo), hi))
+
+    def split2(self, x: Any, axis: int) -> tuple[Any, Any]:
+        """The two halves of a size-2 ``axis``, that axis dropped."""
+        parts = self(self.op.split(x, 2, axis=axis))
+        return tuple(self(self.op.squeeze(self.item(parts, i), [axis])) for i in range(2))
+
+    def stack2(self, a: Any, b: Any, axis: int) -> Any:
+        op = self.op
+        return self(op.concat([op.expand_dims(a, axis), op.expand_dims(b, axis)], axis=axis))
+
+
+def _reject_fp8(op: str, g: _Graph, tensors: list) -> None:
+    for x in tensors:
+        if x is not None and g.dtype(x).startswith("float8"):
+            raise UnsupportedError(f"{op}: float8 input ({FP8_REASON})")
+
+
+# ---------------------------------------------------------------- indexer
+
+
+def _clamped_ranges(g: _Graph, k_start: Any, k_end: Any, n: Any) -> tuple[Any, Any]:
+    """``[T]`` int64 key ranges cut to ``[0, N]`` (``backends/cpu/indexer.py``)."""
+    nn, zero = g.dim(n), g.const(0, "int64")
+    start = g.clamp(g.i64(k_start), zero, nn)
+    end = g(g.op.maximum(g.clamp(g.i64(k_end), zero, nn), start))
+    return start, end
+
+
+def _scores(g: _Graph, q, k, weights, k_start, k_end, q_scale, k_scale):
+    """``[T, N]`` fp32 indexer scores, ``-inf`` outside each query's key range, and the
+    clamped ``[T]`` ranges."""
+    op = g.op
+    t, n = g.shape(q)[0], g.shape(k)[0]
+    dots = g(op.matmul(g.f32(q), g(op.permute_dims(g.f32(k)))))  # [T, Hi, N]
+    if q_scale is not None:
+        dots = g(op.multiply(g(op.multiply(dots, op.expand_dims(q_scale, 2))), k_scale))
+    relu = g(op.nn.relu(dots))
+    scores = g(op.reshape(op.matmul(g(op.expand_dims(weights, 1)), relu), [t, n]))
+    start, end = _clamped_ranges(g, k_start, k_end, n)
+    slots = g(op.expand_dims(op.arange(0, n, 1, "int64"), 0))
+    valid = g(
+        op.logical_and(
+            op.greater_equal(slots, op.expand_dims(start, 1)),
+            op.less(slots, op.expand_dims(end, 1)),
+        )
+    )
+    return g(op.where(valid, scores, g.const(_NEG_INF))), start, end
+
+
+def lightning_indexer(g: _Graph, q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+    """indices ``[T, topk]`` int32 (best first, ties to the lower slot), scores
+    ``[T, topk]`` fp32; ``-1`` / ``-inf`` past the valid keys."""
+    _reject_fp8("lightning_indexer", g, [q, k])
+    op = g.op
+    scores, start, end = _scores(g, q, k, weights, k_start, k_end, q_scale, k_scale)
+    t = g.shape(scores)[0]
+    # -inf columns so topk > N works; TVM's topk is stable (equal scores keep slot order).
+    pad = g.neg_inf([t, topk])
+    top = g(op.topk(g(op.concat([scores, pad], axis=1)), k=topk, axis=1, dtype="int32"))
+    best, slots = g.item(top, 0), g.item(top, 1)
+    rank = g(op.expand_dims(op.arange(0, topk, 1, "int64"), 0))
+    keep = g(op.less(rank, op.expand_dims(op.subtract(end, start), 1)))
+    indices = g(op.where(keep, slots, g.const(-1, "int32")))
+    return indices, g(op.where(keep, best, g.const(_NEG_INF)))
+
+
+def indexer_logits(g: _Graph, q, k, weights, k_start, k_end, q_scale=None, k_scale=None):
+    """``[T, N]`` fp32 scores, ``-inf`` outside each query's key range."""
+    _reject_fp8("indexer_logits", g, [q, k])
+    return _scores(g, q, k, weights, k_start, k_end, q_scale, k_scale)[0]
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _softmax_with_lse(g: _Graph, s: Any) -> tuple[Any, Any]:
+    """Row softmax over the last axis and its lse (keepdims); an all ``-inf`` row gives
+    ``p = 0`` and ``lse = -inf`` (``backends/cpu/attention.py``)."""
+    op = g.op
+    m = g(op.max(s, axis=-1, keepdims=True))
+    m = g(op.where(op.isfinite(m), m, g.const(0.0)))
+    e = g(op.exp(op.subtract(s, m)))
+    total = g(op.sum(e, axis=-1, keepdims=True))
+    p = g(op.divide(e, op.where(op.greater(total, g.const(0.0)), total, g.const(1.0))))
+    return p, g(op.add(m, op.log(total)))
+
+
+def sparse_attention(g: _Graph, q, k, v, indices, scale):
+    """out ``[T, H, Dv]`` in q's dtype, lse ``[T, H]`` fp32; slots outside ``[0, N)``
+    are ignored, an empty row gives 0 / ``-inf``."""
+    _reject_fp8("sparse_attention", g, [q, k, v])
+    op = g.op
+    t, h, dk = g.shape(q)
+    n, hkv = g.shape(k)[:2]
+    dv = g.shape(v)[2]
+    idx = g.i64(indices)
+    valid = g(op.logical_and(op.greater_equal(idx, g.const(0, "int64")), op.less(idx, g.dim(n))))
+    slots = g(op.where(valid, idx, g.const(0, "int64")))  # [T, K]
+    kg = g.f32(g(op.take(k, slots, axis=0)))  # [T, K, Hkv, Dk]: gather, then upcast
+    vg = g.f32(g(op.take(v, slots, axis=0)))
+    qg = g(op.reshape(g.f32(q), [t, hkv, h // hkv, dk]))
+    s = g(op.matmul(qg, op.permute_dims(kg, [0, 2, 3, 1])))  # [T, Hkv, G, K]
+    s = g(op.multiply(s, g.const(scale)))
+    s = g(op.where(op.expand_dims(valid, [1, 2]), s, g.const(_NEG_INF)))
+    p, lse = _softmax_with_lse(g, s)
+    out = g(op.matmul(p, op.permute_dims(vg, [0, 2, 1, 3])))  # [T, Hkv, G, Dv]
+    out = g(op.astype(op.reshape(out, [t, h, dv]), g.dtype(q)))
+    return out, g(op.reshape(lse, [t, h]))
+
+
+# ---------------------------------------------------------------- MoE
+
+
+def moe_gate(
+    g: _Graph,
+    logits,
+    bias,
+    top_k,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    score_func="sigmoid",
+):
+    """weights ``[T, top_k]`` fp32, ids ``[T, top_k]`` int32 (group-limited choice on
+    ``scores + bias``; ties to the lower group / expert, as ``backends/cpu/moe.py``)."""
+    op = g.op
+    lf = g.f32(logits)
+    scores = g(op.sigmoid(lf) if score_func == "sigmoid" else op.nn.softmax(lf, axis=-1))
+    choice = scores if bias is None else g(op.add(scores, g.f32(bias)))
+    if n_group > 1:
+        t, e = g.shape(choice)
+        per_group = g(op.reshape(choice, [t, n_group, e // n_group]))
+        if bias is None:
+            group_score = g(op.max(per_group, axis=-1))
+        else:  # the sum of the best two; a -inf column stands in for a missing second
+            pad = g.neg_inf([t, n_group, 1])
+            padded = g(op.concat([per_group, pad], axis=2))
+            two = g(op.topk(padded, k=2, axis=2, ret_type="values"))
+            two = g(op.where(op.isinf(two), g.const(0.0), two))
+            group_score = g(op.sum(two, axis=-1))
+        kept = g(op.topk(group_score, k=topk_group, axis=1, ret_type="indices", dtype="int64"))
+        groups = g(op.reshape(op.arange(0, n_group, 1, "int64"), [1, 1, n_group]))
+        hit = g(op.astype(op.equal(op.expand_dims(kept, 2), groups), "int32"))
+        keep = g(op.greater(op.max(hit, axis=1), g.const(0, "int32")))  # [T, G]
+        masked = g(op.where(op.expand_dims(keep, 2), per_group, g.const(_NEG_INF)))
+        choice = g(op.reshape(masked, [t, e]))
+    ids = g(op.topk(choice, k=top_k, axis=1, ret_type="indices", dtype="int64"))
+    weights = g(op.gather_elements(scores, ids, axis=1))
+    if norm_topk_prob:
+        total = g(op.add(op.sum(weights, axis=-1, keepdims=True), g.const(1e-20)))
+        weights = g(op.divide(weights, total))
+    weights = g(op.multiply(weights, g.const(routed_scaling_factor)))
+    return weights, g(op.astype(ids, "int32"))
+
+
+def _token_of_row(g: _Graph, t: Any, k: Any) -> Any:
+    """``[T*k]`` int64: the token ``r // k`` of each flat row ``r = t * k + j``."""
+    op = g.op
+    tok = op.broadcast_to(op.expand_dims(op.arange(0, t, 1, "int64"), 1), [t, k])
+    return g(op.reshape(tok, [t * k]))
+
+
+def moe_dispatch(g: _Graph, x, ids, num_experts):
+    """x_sorted ``[T*k, D]``, expert_offsets ``[E+1]`` int32, src_row ``[T*k]`` int32: a
+    stable sort by expert; copies with an id outside ``[0, E)`` come last, uncounted."""
+    op = g.op
+    t, k = g.shape(ids)
+    rows = t * k
+    flat = g(op.reshape(g.i64(ids), [rows]))
+    e = g.const(num_experts, "int64")
+    valid = g(op.logical_and(op.greater_equal(flat, g.const(0, "int64")), op.less(flat, e)))
+    key = g(op.where(valid, flat, e))
+    # key * rows + position is unique, so any sort of it is the stable sort of key.
+    unique = g(op.add(op.multiply(key, g.dim(rows)), op.arange(0, rows, 1, "int64")))
+    src_row = g(op.argsort(unique, axis=0, dtype="int64"))
+    experts = g(op.expand_dims(op.arange(0, num_experts + 1, 1, "int64"), 1))
+    below = g(op.astype(op.less(op.expand_dims(key, 0), experts), "int32"))  # [E+1, T*k]
+    offsets = g(op.sum(below, axis=1))  # offsets[e] = copies with key < e
+    x_sorted = g(op.take(x, op.take(_token_of_row(g, t, k), src_row, axis=0), axis=0))
+    return x_sorted, offsets, g(op.astype(src_row, "int32"))
+
+
+def moe_combine(g: _Graph, y_sorted, src_row, weights):
+    """``[T, D]`` in y_sorted's dtype: ``out[t] += weights[t, j] * y_sorted[r]`` for each
+    ``src_row[r] = t*k + j``; rows outside ``[0, T*k)`` are skipped."""
+    op = g.op
+    t, k = g.shape(weights)
+    r, d = g.shape(y_sorted)
+    # A sentinel slot T*k (token T, weight 0) takes every row outside [0, T*k): negative
+    # rows are sent past the end and take(mode="clip") brings them all to it.
+    tokens = g(op.concat([_token_of_row(g, t, k), g.dim(t)], axis=0))
+    flat_w = g(op.concat([op.reshape(weights, [t * k]), op.zeros([1], "float32")], axis=0))
+    rows = g.i64(src_row)
+    rows = g(op.where(op.less(rows, g.const(0, "int64")), g.dim(t * k), rows))
+    target = g(op.take(tokens, rows, axis=0, mode="clip"))
+    w = g(op.take(flat_w, rows, axis=0, mode="clip"))
+    contrib = g(op.multiply(g.f32(y_sorted), op.expand_dims(w, 1)))
+    where_to = g(op.broadcast_to(op.expand_dims(target, 1), [r, d]))
+    summed = g(
+        op.scatter_elements(
+            op.zeros([t + 1, d], "float32"), where_to, contrib, axis=0, reduction="add"
+        )
+    )
+    # In bounds by construction; saying so keeps the shape ``[t, d]`` (a checked slice
+    # of a symbolic size gives a clamped expression that spreads through broadcasts).
+    out = g(op.strided_slice(summed, axes=[0], begin=[0], end=[t], assume_inbound=True))
+    return g(op.astype(out, g.dtype(y_sorted)))
+
+
+def grouped_gemm(
+    g: _Graph, x, w, expert_offsets, w_scale=None, scheme=FLOAT_WEIGHT, group_size=128
+):
+    """``[M, N]`` in x's dtype: row ``m`` times its expert's weight; rows of no expert
+    (offsets clamped to ``[0, M]``, running maximum) are 0."""
+    _reject_scheme("grouped_gemm", scheme)
+    op = g.op
+    m = g.shape(x)[0]
+    e, e1 = g.shape(w)[0], g.shape(expert_offsets)[0]
+    zero = g.const(0, "int64")
+    off = g.clamp(g.i64(expert_offsets), zero, g.dim(m))
+    # Running maximum as a masked max over the prefix (E is small).
+    pos = g(op.arange(0, e1, 1, "int64"))
+    prefix = g(op.less_equal(op.expand_dims(pos, 0), op.expand_dims(pos, 1)))  # [E+1, E+1]
+    bounds = g(op.max(op.where(prefix, op.expand_dims(off, 0), zero), axis=1))
+    row = g(op.expand_dims(op.arange(0, m, 1, "int64"), 1))
+    started = g(op.sum(op.astype(op.less_equal(op.expand_dims(bounds, 0), row), "int64"), axis=1))
+    owner = g(op.subtract(started, g.const(1, "int64")))  # [M]; -1 or E: no expert
+    owned = g(op.logical_and(op.greater_equal(owner, zero), op.less(owner, g.dim(e))))
+    w_rows = g(op.take(w, owner, axis=0, mode="clip"))  # [M, N, K']: each row's weight
+    s_rows = None if w_scale is None else g(op.take(w_scale, owner, axis=0, mode="clip"))
+    y = _batched_gemm(g, g(op.expand_dims(x, 1)), w_rows, s_rows, scheme, group_size)
+    y = g(op.reshape(y, [m, g.shape(w)[1]]))
+    y = g(op.where(op.expand_dims(owned, 1), y, g.const(0.0)))
+    return g(op.astype(y, g.dtype(x)))
+
+
+# ---------------------------------------------------------------- quantisation
+
+
+def _reject_scheme(op_name: str, scheme: str) -> None:
+    if scheme != FLOAT_WEIGHT and SCHEMES[scheme].weight.storage == FP8_DTYPE:
+        raise UnsupportedError(f"{op_name}: scheme {scheme} uses float8 operands ({FP8_REASON})")
+
+
+def _quant_groups(g: _Graph, xf: Any, qmax: int, group: int | None) -> tuple[Any, Any]:
+    """Symmetric integer quantisation of fp32 ``[R, C]`` (``core/formats.py``):
+    integer-valued fp32 ``q`` ``[R, G, g]`` and scales ``[R, G, 1]`` (``group=None``: one
+    group per row)."""
+    op = g.op
+    r, c = g.shape(xf)
+    groups = g(op.reshape(xf, [r, 1, c] if group is None else [r, c // group, group]))
+    amax = g(op.max(op.abs(groups), axis=2, keepdims=True))
+    scale = g(op.divide(op.maximum(amax, g.const(INT_AMAX_FLOOR)), g.const(float(qmax))))
+    q = g(op.round(op.divide(groups, scale)))
+    return g.clamp(q, g.const(-float(qmax)), g.const(float(qmax))), scale
+
+
+def _fake_quant(g: _Graph, xf: Any, fmt: str, group_size: int) -> Any:
+    """fp32 ``[R, C]`` put on ``fmt``'s grid (quantise, then dequantise)."""
+    qmax, group = (INT8_MAX, None) if fmt == "int8_row" else (INT4_QMAX, group_size)
+    q, scale = _quant_groups(g, xf, qmax, group)
+    return g(g.op.reshape(g.op.multiply(q, scale), g.shape(xf)))
+
+
+def _pack_int4(g: _Graph, q: Any) -> Any:
+    """int4 values ``[R, C]`` -> uint8 ``[R, C/2]``: column 2j low nibble, 2j+1 high."""
+    op = g.op
+    r, c = g.shape(q)
+    nib = g(op.floor_mod(op.reshape(op.astype(q, "int32"), [r, c // 2, 2]), g.const(16, "int32")))
+    low, high = g.split2(nib, axis=2)
+    return g(op.astype(op.add(low, op.multiply(high, g.const(16, "int32"))), "uint8"))
+
+
+def _unpack_int4(g: _Graph, packed: Any) -> Any:
+    """uint8 ``[..., C/2]`` -> int32 ``[..., C]`` in ``[-8, 7]``."""
+    op = g.op
+    p = g(op.astype(packed, "int32"))
+    sixteen = g.const(16, "int32")
+    nib = g.stack2(g(op.floor_mod(p, sixteen)), g(op.floor_divide(p, sixteen)), axis=-1)
+    shape = g.shape(packed)
+    nib = g(op.reshape(nib, [*shape[:-1], shape[-1] * 2]))
+    return g(op.where(op.greater_equal(nib, g.const(8, "int32")), op.subtract(nib, sixteen), nib))
+
+
+def quantize(g: _Graph, x, fmt, group_size=128):
+    """int8_row: int8 ``[R, C]`` and ``[R]`` scales; int4_group: uint8 ``[R, C/2]`` and
+    ``[R, C/g]`` scales (fp32, ``core/formats.py``)."""
+    if FORMATS[fmt].storage == FP8_DTYPE:
+        raise UnsupportedError(f"quantize: format {fmt} returns float8 ({FP8_REASON})")
+    op = g.op
+    xf = g.f32(x)
+    r, c = g.shape(xf)
+    if fmt == "int8_row":
+        q, scale = _quant_groups(g, xf, INT8_MAX, None)
+        return g(op.astype(op.reshape(q, [r, c]), "int8")), g(op.reshape(scale, [r]))
+    q, scale = _quant_groups(g, xf, INT4_QMAX, group_size)
+    return _pack_int4(g, g(op.reshape(q, [r, c]))), g(op.reshape(scale, [r, c // group_size]))
+
+
+def _batched_gemm(g: _Graph, x, w, w_scale, scheme: str, group_size: int) -> Any:
+    """fp32 ``[B, Mb, N]``: ``x`` ``[B, Mb, K]`` float times batch ``b``'s weight ``w[b]``
+    (``[N, K]`` float, or packed per ``scheme`` with ``w_scale[b]``), as
+    ``backends/cpu/quant.py`` computes it (integer schemes exact in int32 per group)."""
+    op = g.op
+    b, mb, k = g.shape(x)
+    n = g.shape(w)[1]
+    tokens = g(op.reshape(g.f32(x), [b * mb, k]))
+    if scheme == FLOAT_WEIGHT:
+        wf = g.f32(w)
+        return g(op.matmul(g(op.reshape(tokens, [b, mb, k])), op.permute_dims(wf, [0, 2, 1])))
+    s = SCHEMES[scheme]
+    if w_scale is None or s.activation is None:  # QAT fake-quant, or W4A16
+        if w_scale is None:
+            if s.activation is not None:
+                tokens = _fake_quant(g, tokens, s.activation.name, group_size)
+            wf = _fake_quant(g, g(op.reshape(g.f32(w), [b * n, k])), s.weight.name, group_size)
+        else:
+            wv = g(op.astype(_unpack_int4(g, w), "float32"))  # [B, N, K]
+            groups = g.shape(w_scale)[-1]
+            wv = g(op.reshape(wv, [b, n, groups, k // groups]))
+            wf = g(op.multiply(wv, op.expand_dims(w_scale, 3)))
+        wf = g(op.reshape(wf, [b, n, k]))
+        return g(op.matmul(g(op.reshape(tokens, [b, mb, k])), op.permute_dims(wf, [0, 2, 1])))
+    q, sx = _quant_groups(g, tokens, INT8_MAX, None)  # per-token int8
+    qw = _unpack_int4(g, w) if s.weight.storage == torch.uint8 else g(op.astype(w, "int32"))
+    groups = g.shape(w_scale)[2] if len(g.shape(w_scale)) == 3 else 1
+    sw = g(op.reshape(w_scale, [b, n, groups]))
+    gs = k // groups
+    qx = g(op.permute_dims(op.reshape(op.astype(q, "int32"), [b, mb, groups, gs]), [0, 2, 1, 3]))
+    qw = g(op.permute_dims(op.reshape(qw, [b, n, groups, gs]), [0, 2, 3, 1]))  # [B, G, g, N]
+    partial = g(op.astype(op.matmul(qx, qw, out_dtype="int32"), "float32"))  # [B, G, Mb, N]
+    y = g(op.sum(op.multiply(partial, op.expand_dims(op.permute_dims(sw, [0, 2, 1]), 2)), axis=1))
+    return g(op.multiply(y, op.reshape(sx, [b, mb, 1])))
+
+
+def quant_gemm(g: _Graph, x, w, w_scale, scheme, group_size=128):
+    """``[M, N]`` in x's dtype: ``x [M, K] @ W.T`` for a packed ``w`` with ``w_scale``, or
+    a float ``w`` fake-quantised (QAT) when ``w_scale`` is None."""
+    _reject_scheme("quant_gemm", scheme)
+    op = g.op
+    m, n = g.shape(x)[0], g.shape(w)[0]
+    scale = None if w_scale is None else g(op.expand_dims(w_scale, 0))
+    y = _batched_gemm(
+        g, g(op.expand_dims(x, 0)), g(op.expand_dims(w, 0)), scale, scheme, group_size
+    )
+    return g(op.astype(op.reshape(y, [m, n]), g.dtype(x)))
+
+
+# ---------------------------------------------------------------- norm, rope, logprobs
+
+
+def rms_norm(g: _Graph, x, weight, eps=1e-6):
+    """x's shape and dtype; rows beyond 1 are divided by their max first (no overflow)."""
+    op = g.op
+    xf = g.f32(x)
+    s = g(op.maximum(op.max(op.abs(xf), axis=-1, keepdims=True), g.const(1.0)))
+    xs = g(op.divide(xf, s))
+    mean = g(op.mean(op.multiply(xs, xs), axis=-1, keepdims=True))
+    inv = g(op.rsqrt(op.add(mean, op.divide(g.const(eps), op.multiply(s, s)))))
+    return g(op.astype(op.multiply(op.multiply(xs, inv), g.f32(weight)), g.dtype(x)))
+
+
+def rope(g: _Graph, x, cos, sin, interleaved=True):
+    """x's shape and dtype; pairs ``(2j, 2j+1)`` (interleaved) or ``(j, j + D/2)``."""
+    op = g.op
+    shape = g.shape(x)
+    half = g.shape(cos)[1]
+    view = [shape[0], *([1] * (len(shape) - 2)), half]
+    c, s = g(op.reshape(cos, view)), g(op.reshape(sin, view))
+    pair = [half, 2] if interleaved else [2, half]
+    axis = -1 if interleaved else -2
+    a, b = g.split2(g(op.reshape(g.f32(x), [*shape[:-1], *pair])), axis=axis)
+    ya = g(op.subtract(op.multiply(a, c), op.multiply(b, s)))
+    yb = g(op.add(op.multiply(a, s), op.multiply(b, c)))
+    y = g(op.reshape(g.stack2(ya, yb, axis=axis), shape))
+    return g(op.astype(y, g.dtype(x)))
+
+
+def token_logprobs(g: _Graph, hidden, lm_head, targets, temperature=1.0):
+    """logp ``[T]`` fp32 (NaN for a target outside ``[0, V)``), entropy ``[T]`` fp32."""
+    op = g.op
+    t, v = g.shape(hidden)[0], g.shape(lm_head)[0]
+    logits = g(op.matmul(g.f32(hidden), op.permute_dims(g.f32(lm_head))))
+    logits = g(op.divide(logits, g.const(temperature)))
+    z = g(op.subtract(logits, op.max(logits, axis=1, keepdims=True)))
+    # Sums over the vocabulary accumulate in float64: a float32 running sum over V terms
+    # (TVM's reduction is sequential) loses ~sqrt(V) ulps.
+    total = op.sum(op.astype(op.exp(z), "float64"), axis=1, keepdims=True)
+    logp_all = g(op.subtract(z, op.astype(op.log(total), "float32")))
+    tgt = g.i64(targets)
+    valid = g(op.logical_and(op.greater_equal(tgt, g.const(0, "int64")), op.less(tgt, g.dim(v))))
+    safe = g(op.expand_dims(op.where(valid, tgt, g.const(0, "int64")), 1))
+    picked = g(op.reshape(op.gather_elements(logp_all, safe, axis=1), [t]))
+    logp = g(op.where(valid, picked, g.const(float("nan"))))
+    terms = op.astype(op.multiply(op.exp(logp_all), logp_all), "float64")
+    entropy = g(op.astype(op.negative(op.sum(terms, axis=1)), "float32"))
+    return logp, entropy
+
+
+EMITTERS: dict[str, Callable[..., Any]] = {
+    "lightning_indexer": lightning_indexer,
+    "indexer_logits": indexer_logits,
+    "sparse_attention": sparse_attention,
+    "moe_gate": moe_gate,
+    "moe_dispatch": moe_dispatch,
+    "moe_combine": moe_combine,
+    "grouped_gemm": grouped_gemm,
+    "quantize": quantize,
+    "quant_gemm": quant_gemm,
+    "rms_norm": rms_norm,
+    "rope": rope,
+    "token_logprobs": token_logprobs,
+}
+assert set(EMITTERS) == set(OP_NAMES)
+
+
+def _emit(op: str, bb: Any, args: list) -> Any:
+    """Emit ``op`` on ``args`` (schema order) into ``bb``: a relax expression, or a
+    ``relax.Tuple`` for ops with several outputs."""
+    g = _Graph(bb)
+    out = EMITTERS[op](g, *args)
+    return g.relax.Tuple(list(out)) if isinstance(out, tuple) else out
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def convert_map() -> dict[str, Callable[[Any, Any], Any]]:
+    """``{"<op>.default": converter}`` for ``from_exported_program(ep,
+    custom_convert_map=convert_map())``: each converter reads the fx node's arguments
+    (schema defaults filled in) and emits the op into the importer's block builder."""
+
+    def converter(op: str) -> Callable[[Any, Any], Any]:
+        def convert(node: Any, importer: Any) -> Any:
+            from torch import fx
+
+            args = []
+            for i, spec in enumerate(node.target._schema.arguments):
+                if i < len(node.args):
+                    value = node.args[i]
+                elif spec.name in node.kwargs:
+                    value = node.kwargs[spec.name]
+                else:
+                    value = spec.default_value
+                args.append(importer.env[value] if isinstance(value, fx.Node) else value)
+            return _emit(op, importer.block_builder, args)
+
+        return convert
+
+    return {f"{op}.default": converter(op) for op in OP_NAMES}
+
+
+class _Dims:
+    """Named symbolic sizes (int64 TIR variables), one per name."""
+
+    def __init__(self) -> None:
+        self._vars: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        from tvm import tirx
+
+        if name not in self._vars:
+            self._vars[name] = tirx.Var(name, "int64")
+        return self._vars[name]
+
+
+def _int4(t: torch.Tensor) -> bool:
+    return t.dtype == torch.uint8
+
+
+def _shapes(op: str, args: tuple, d: _Dims) -> list:
+    """Symbolic shapes of ``op``'s tensor arguments in schema order (None for an absent
+    optional): sizes the op ties together share a variable."""
+    if op in ("lightning_indexer", "indexer_logits"):
+        q_scale, k_scale = args[-2:]
+        return [
+            [d.T, d.Hi, d.Di], [d.N, d.Di], [d.T, d.Hi], [d.T], [d.T],
+            None if q_scale is None else [d.T, d.Hi], None if k_scale is None else [d.N],
+        ]  # fmt: skip
+    if op == "sparse_attention":
+        return [[d.T, d.H, d.Dk], [d.N, d.Hkv, d.Dk], [d.N, d.Hkv, d.Dv], [d.T, d.K]]
+    if op == "moe_gate":
+        return [[d.T, d.E], None if args[1] is None else [d.E]]
+    if op == "moe_dispatch":
+        return [[d.T, d.D], [d.T, d.K]]
+    if op == "moe_combine":
+        return [[d.R, d.D], [d.R], [d.T, d.K]]
+    if op in ("grouped_gemm", "quant_gemm"):
+        grouped = op == "grouped_gemm"
+        x, w, w_scale = args[0], args[1], args[3 if grouped else 2]
+        lead = [d.E] if grouped else []
+        kw = d.K // 2 if _int4(w) else d.K
+        scale = None if w_scale is None else [*lead, d.N, d.G][: w_scale.dim()]
+        shapes = [[d.M, d.K], [*lead, d.N, kw]]
+        return shapes + ([[d.E1], scale] if grouped else [scale])
+    if op == "quantize":
+        return [[d.R, d.C]]
+    if op == "rms_norm":
+        x = args[0]
+        return [[*(getattr(d, f"B{i}") for i in range(x.dim() - 1)), d.D], [d.D]]
+    if op == "rope":
+        x = args[0]
+        mid = [getattr(d, f"H{i}") for i in range(x.dim() - 2)]
+        return [[d.T, *mid, d.D], [d.T, d.D // 2], [d.T, d.D // 2]]
+    if op == "token_logprobs":
+        return [[d.T, d.D], [d.V, d.D], [d.T]]
+    raise KeyError(op)
+
+
+def tvm_dtype(dtype: torch.dtype) -> str:
+    """TVM's name of a torch dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def op_module(op: str, args: tuple) -> Any:
+    """A ``tvm.IRModule`` whose Relax ``main`` runs one ``op`` call.
+
+    ``args`` are the op's arguments in schema order: each tensor becomes a parameter of
+    its dtype and rank with symbolic sizes (one compiled module serves every size),
+    Python scalars are baked in, an optional input that is None is no parameter. The
+    outputs are a tuple for ops with several. Raises UnsupportedError for inputs TVM
+    cannot take (float8).
+    """
+    from tvm import relax
+
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dtype == FP8_DTYPE:
+            raise UnsupportedError(f"{op}: float8 input ({FP8_REASON})")
+    shapes = _shapes(op, args, _Dims())
+    tensors = [a for a in args if isinstance(a, torch.Tensor) or a is None]
+    assert len(tensors) == len(shapes), (op, len(tensors), len(shapes))
+    names = [s.name for s in getattr(torch.ops.glmport, op).default._schema.arguments]
+    params, values, shape_iter = [], [], iter(shapes)
+    for name, a in zip(names, args, strict=True):
+        if isinstance(a, torch.Tensor) or a is None:
+            shape = next(shape_iter)
+            if a is None:
+                values.append(None)
+                continue
+            var = relax.Var(name, relax.TensorType(shape, tvm_dtype(a.dtype)))
+            params.append(var)
+            values.append(var)
+        else:
+            values.append(a)
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(_emit(op, bb, values))
+        bb.emit_func_output(out)
+    return bb.get()
