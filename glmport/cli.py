@@ -1,5 +1,5 @@
 """The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``,
-``glmport generate``, ``glmport rl train``.
+``glmport generate``, ``glmport export onnx|tvm``, ``glmport rl train``.
 
 Bad input never ends in a traceback: a malformed argument, ``GLMPORT_*`` variable,
 checkpoint or selection is one line on stderr, ``glmport: error: ...``, and exit
@@ -280,11 +280,27 @@ def _parse_ids(text: str, flag: str) -> list[int]:
         ) from None
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _load_model(spec: str, dtype: str = "fp32"):
+    """``--model``: "tiny" (random, seed 0) or a checkpoint folder, in ``dtype``."""
     from pathlib import Path
 
-    import glmport
+    import torch
+
     from glmport.model import GlmMoeDsaForCausalLM
+
+    if spec == "tiny":
+        model = GlmMoeDsaForCausalLM.from_config("tiny", seed=0)
+    elif Path(spec).is_dir():
+        model = GlmMoeDsaForCausalLM.from_pretrained(spec)
+    else:
+        raise ConfigError(
+            f"--model must be 'tiny' or a checkpoint folder with config.json, got {spec!r}"
+        )
+    return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import glmport
     from glmport.model.generation import generate
 
     sampling = {
@@ -302,14 +318,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _check_environment()
     input_ids = _parse_ids(args.input_ids, "--input-ids")
     stop_tokens = _parse_ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens else []
-    if args.model == "tiny":
-        model = GlmMoeDsaForCausalLM.from_config("tiny", seed=0)
-    elif Path(args.model).is_dir():
-        model = GlmMoeDsaForCausalLM.from_pretrained(args.model)
-    else:
-        raise ConfigError(
-            f"--model must be 'tiny' or a checkpoint folder with config.json, got {args.model!r}"
-        )
+    model = _load_model(args.model)
     with glmport.use_backend(args.backend or None):
         result = generate(
             model,
@@ -412,6 +421,71 @@ def _cmd_rl_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """Export, save, and (unless --no-check) run the export against the eager model."""
+    import time
+
+    import glmport
+    from glmport.export.check import compare
+
+    _check_environment()
+    model = _load_model(args.model, args.dtype)
+    kind = "decode" if args.decode else "prefill"
+    start = time.perf_counter()
+    with glmport.use_backend(args.backend or None):
+        if args.target == "onnx":
+            from glmport.export.onnx_model import OnnxRuntimeModel, export_onnx, save_onnx
+
+            proto = export_onnx(model, kind, inline=args.inline)
+            path = save_onnx(proto, args.out)
+            print(f"wrote {path}: {kind} graph, {_node_summary(proto)}")
+            runner = OnnxRuntimeModel.load(proto)
+        else:
+            from glmport.export.tvm_model import TvmModel
+
+            fixed = _fixed_axes(args, kind)
+            runner = TvmModel.build(model, kind, source=args.source, fixed=fixed)
+            path = runner.save(args.out)
+            shapes = f", fixed {fixed}" if fixed else ""
+            print(f"wrote {path}: {kind} graph from {args.source}{shapes}, compiled for llvm")
+        print(f"export took {time.perf_counter() - start:.1f} s")
+        if not args.no_check:
+            sizes = {}
+            if args.target == "tvm" and fixed:  # a fixed graph runs its own shapes only
+                prompt = fixed["seq"] if kind == "prefill" else fixed["past"]
+                sizes = {"batch": fixed["batch"], "prompt": prompt, "steps": 1}
+            found = compare(model, runner.run, kind, **sizes)
+            print(f"check against eager torch: {found}")
+            if found.max_abs > args.tolerance:
+                print(f"glmport: error: above the tolerance {args.tolerance:g}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def _fixed_axes(args: argparse.Namespace, kind: str) -> dict[str, int] | None:
+    """``--batch`` / ``--seq`` / ``--past`` for ``export tvm --from onnx`` (fixed shapes)."""
+    given = {k: v for k, v in (("batch", args.batch), ("seq", args.seq), ("past", args.past))
+             if v is not None}  # fmt: skip
+    if args.source == "torch":
+        if given:
+            flags = ", ".join(f"--{k}" for k in given)
+            raise ConfigError(f"{flags}: fixed axes belong to --from onnx only")
+        return None
+    return given
+
+
+def _node_summary(proto) -> str:
+    """``"12 ai.glmport nodes (rms_norm x7, ...) and 301 standard nodes"``."""
+    from collections import Counter
+
+    from glmport.export.onnx_ops import DOMAIN
+
+    ours = Counter(n.op_type for n in proto.graph.node if n.domain == DOMAIN)
+    rest = len(proto.graph.node) - sum(ours.values())
+    listed = ", ".join(f"{op} x{n}" for op, n in sorted(ours.items()))
+    return f"{sum(ours.values())} {DOMAIN} nodes ({listed or 'inlined'}) and {rest} standard nodes"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="glmport",
@@ -492,6 +566,44 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", default=None, help="glmport backend (default: the selection)")
     gen.add_argument("--json", action="store_true", help="print machine-readable JSON")
     gen.set_defaults(func=_cmd_generate)
+
+    exp = sub.add_parser(
+        "export",
+        help="export GLM-5 to ONNX (onnxruntime) or TVM (compiled for the CPU)",
+        description="Export the model's prefill graph (input_ids [batch, seq] -> logits, "
+        "latent and indexer caches) or, with --decode, one decode step on those caches; "
+        "batch, sequence and cache axes stay dynamic. Then run the export on sample tokens "
+        "and compare its logits with eager torch (skip with --no-check). Needs the export "
+        "extra: pip install 'glmport[export]'.",
+    )
+    targets = exp.add_subparsers(dest="target", required=True)
+    for target, out_help in (("onnx", "the .onnx file to write"), ("tvm", "folder to write")):
+        t = targets.add_parser(target, help=f"export to {target.upper()}")
+        t.add_argument(
+            "--model", required=True, help="'tiny' (random, seed 0) or a checkpoint folder"
+        )
+        t.add_argument("--out", required=True, help=out_help)
+        t.add_argument("--decode", action="store_true", help="the decode-step graph")
+        t.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+        t.add_argument("--backend", default=None, help="backend of the eager reference run")
+        t.add_argument("--no-check", action="store_true", help="skip the check against torch")
+        t.add_argument("--tolerance", type=float, default=1e-4, help="max |logits - torch|")
+        t.set_defaults(func=_cmd_export)
+    targets.choices["onnx"].add_argument(
+        "--inline", action="store_true", help="standard ops only (no ai.glmport nodes)"
+    )
+    targets.choices["tvm"].add_argument(
+        "--from",
+        dest="source",
+        choices=("torch", "onnx"),
+        default="torch",
+        help="torch.export -> Relax (default, dynamic axes), or the inlined ONNX export -> "
+        "Relax (fixed axes: give --batch and --seq, or --batch and --past with --decode)",
+    )
+    for axis in ("batch", "seq", "past"):
+        targets.choices["tvm"].add_argument(
+            f"--{axis}", type=int, default=None, help=f"fixed {axis} size (--from onnx)"
+        )
 
     rl = sub.add_parser("rl", help="GLM-5's RL post-training on toy verifiable tasks")
     rl_sub = rl.add_subparsers(dest="rl_command", required=True)
