@@ -16,7 +16,8 @@ Graphs: prefill of one sequence of ``S`` tokens, and one decode step on a cache 
 Every path's logits are checked against eager torch in the same run. Median,
 interquartile range and min..max at 1 and 2 threads: each thread count runs in a fresh
 process with torch's, onnxruntime's intra-op and TVM's pools (``TVM_NUM_THREADS``, read
-when its pool starts) set alike.
+when its pool starts) set alike, and neither runtime's idle threads spinning (they would
+take the cores from the path being timed).
 
 Run: ``python bench/export.py`` (a few minutes on 2 cores); ``--quick`` for a smoke run
 (writes only with ``--out``). Writes ``bench/results/export.json``.
@@ -172,7 +173,8 @@ def in_child(threads: int, args: argparse.Namespace) -> dict:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, __file__, "--child", str(threads), "--repeats", str(args.repeats),
                "--out", str(out)] + (["--quick"] if args.quick else [])  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TVM_NUM_THREADS": str(threads)}
+        env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "TVM_NUM_THREADS")},
+               "TVM_THREAD_POOL_SPIN_COUNT": "0"}  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         print(proc.stdout, end="")
         if proc.returncode:

@@ -10,6 +10,10 @@ and each batch's log-probs are taken at temperature 1 (training) and at a sampli
 temperature (rollout), so a wrong ``quant_gemm`` / ``grouped_gemm``, router groups or
 ``token_logprobs`` temperature shows here as a log-prob mismatch.
 
+A backend that cannot take a quantised variant (an export runtime without float8)
+has that variant reported as not judged, with the reason, and the others judged; one
+that cannot take the float variant makes the whole check unsupported.
+
 Reports, per variant and temperature and as the worst over them, mean and max
 ``|delta logp|`` and the fraction of tokens IcePop would pop at ``beta = 2``
 (``rho = exp(logp_backend - logp_ref)`` outside ``[1/beta, beta]``).
@@ -22,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 import glmport
+from glmport.core.errors import UnsupportedError
 from glmport.core.formats import FLOAT_WEIGHT
 from glmport.core.registry import REGISTRY
 from glmport.core.selection import use_backend
@@ -156,6 +161,7 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
     metrics: dict[str, float] = {}
     tol = _tolerance(LIMITS[dtype])
     failures: list[str] = []
+    unjudged: list[str] = []  # quantised variants the backend cannot take, with why
     for label, (experts, dense) in VARIANTS.items():
         quantised = (experts, dense) != (FLOAT_WEIGHT, FLOAT_WEIGHT)
         bounds = _tolerance((QUANT_LIMITS if quantised else LIMITS)[dtype])
@@ -164,13 +170,19 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
         with use_backend(REGISTRY.reference()):
             ref = _logprobs(model, ids, mask)
         model = model.to(device=device)
-        with use_backend(backend):
-            runner = REGISTRY.get(backend).model_runner(model)
-            if runner is None:
-                prepare_weights(model)  # the backend's own layout of the same packed weights
-                got = _logprobs(model, ids.to(device), mask.to(device))
-            else:
-                got = _runner_logprobs(runner, ids.to(device), mask.to(device))
+        try:
+            with use_backend(backend):
+                runner = REGISTRY.get(backend).model_runner(model)
+                if runner is None:
+                    prepare_weights(model)  # the backend's own layout of the same weights
+                    got = _logprobs(model, ids.to(device), mask.to(device))
+                else:
+                    got = _runner_logprobs(runner, ids.to(device), mask.to(device))
+        except UnsupportedError as err:
+            if not quantised:  # the float variant is the check's headline: none without it
+                raise
+            unjudged.append(f"{label} not judged: {err}")
+            continue
         for temperature, delta in zip(TEMPERATURES, got - ref, strict=True):
             where = f"{label} T={temperature:g}"
             found = _mismatch(delta)
@@ -183,4 +195,4 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
                 if not quantised:
                     headline[k] = max(headline.get(k, 0.0), v)
     metrics = {**headline, "tokens": int(ref.shape[1]), **metrics}
-    return Verdict(not failures, "; ".join(failures), metrics, tol)
+    return Verdict(not failures, "; ".join(failures + unjudged), metrics, tol)

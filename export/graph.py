@@ -6,7 +6,7 @@ follows the widest visible range, a choice tape may replay decisions. A graph ca
 branch on data, so :class:`StepGraph` fixes one path: every query runs the lightning
 indexer (a query with fewer visible keys gets them all, ``-1`` padded) and attends in
 the absorbed MLA form over the latent rows. Both paths compute the same function (the
-model tests compare them); this one reuses the model's own modules and weights.
+export tests compare them); this one reuses the model's own modules and weights.
 
 One step takes ``S`` new tokens of ``B`` sequences that already hold ``P`` cached
 positions each: prefill is the step with ``P = 0``, decode the step with ``S = 1``.
@@ -14,13 +14,15 @@ positions each: prefill is the step with ``P = 0``, decode the step with ``S = 1
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
 from torch import nn
 
 import glmport.ops as ops
-from glmport.core.errors import GlmportError, UnsupportedError
+from glmport.core.errors import GlmportError
 from glmport.model.causal_lm import GlmMoeDsaForCausalLM
 from glmport.model.modeling import DecoderLayer
 
@@ -126,16 +128,20 @@ def traced_graph(
     return StepGraph(model).eval(), (ids[:, :1], *caches), dynamic
 
 
-def root_cause(err: BaseException) -> GlmportError:
-    """The glmport error behind an exporter's wrapped one (an op translation that cannot
-    take a call raises one naming the op), else an :class:`UnsupportedError` carrying the
-    exporter's own message."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, GlmportError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return UnsupportedError(f"export failed: {type(err).__name__}: {err}")
+@contextmanager
+def unwrapped_errors() -> Iterator[None]:
+    """Exporters wrap what a translation raises. Inside this block, a glmport error
+    behind the wrapping (a translation that cannot take a call names the op) comes out
+    as itself; anything else propagates unchanged, a bug to report."""
+    try:
+        yield
+    except Exception as err:
+        seen: BaseException | None = err
+        while seen is not None and not isinstance(seen, GlmportError):
+            seen = seen.__cause__ or seen.__context__
+        if seen is None or seen is err:
+            raise
+        raise seen from err
 
 
 def empty_caches(

@@ -24,7 +24,7 @@ import torch
 from glmport.core.errors import UnsupportedError
 from glmport.model.causal_lm import GlmMoeDsaForCausalLM
 
-from .graph import GRAPH_INPUTS, GRAPH_OUTPUTS, GraphKind, root_cause, traced_graph
+from .graph import GRAPH_INPUTS, GRAPH_OUTPUTS, GraphKind, traced_graph, unwrapped_errors
 from .onnx_ops import DOMAIN, OPSET, attach_functions, translation_table
 from .ort_backend import from_ort, to_ort
 
@@ -41,22 +41,19 @@ def export_onnx(
     inference. Raises :class:`~glmport.core.errors.UnsupportedError` naming the op a
     translation cannot take."""
     graph, args, dynamic = traced_graph(model, kind)
-    try:
-        with _quiet_exporter():
-            program = torch.onnx.export(
-                graph,
-                args,
-                dynamo=True,
-                custom_translation_table=translation_table(),
-                dynamic_shapes=dynamic,
-                input_names=list(GRAPH_INPUTS[kind]),
-                output_names=list(GRAPH_OUTPUTS),
-                opset_version=OPSET,
-                optimize=False,  # the optimiser would inline the ai.glmport nodes
-                verbose=False,
-            )
-    except Exception as err:
-        raise root_cause(err) from err
+    with _quiet_exporter(), unwrapped_errors():
+        program = torch.onnx.export(
+            graph,
+            args,
+            dynamo=True,
+            custom_translation_table=translation_table(),
+            dynamic_shapes=dynamic,
+            input_names=list(GRAPH_INPUTS[kind]),
+            output_names=list(GRAPH_OUTPUTS),
+            opset_version=OPSET,
+            optimize=False,  # the optimiser would inline the ai.glmport nodes
+            verbose=False,
+        )
     proto = attach_functions(_fp8_as_bits(program.model_proto))
     if inline:
         proto = onnx.inliner.inline_local_functions(proto)
@@ -135,6 +132,8 @@ class OnnxRuntimeModel:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.log_severity_level = 3  # errors only: not its constant-folding notices
+        # Idle pool threads would spin and take the cores from torch in the same process.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         source = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
         try:
             return cls(ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"]))

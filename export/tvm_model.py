@@ -11,7 +11,7 @@ extra.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,7 +25,7 @@ from glmport.core.errors import ConfigError, UnsupportedError
 from glmport.core.formats import FP8_DTYPE
 from glmport.model.causal_lm import GlmMoeDsaForCausalLM
 
-from .graph import GraphKind, root_cause, traced_graph
+from .graph import GraphKind, traced_graph, unwrapped_errors
 from .tvm_backend import compile_relax, from_tvm, to_tvm
 from .tvm_ops import FP8_REASON, convert_map
 
@@ -52,16 +52,22 @@ def relax_module(
     :class:`~glmport.core.errors.UnsupportedError` naming an op TVM cannot take."""
     if source not in SOURCES:
         raise ConfigError(f"source must be one of {SOURCES}, got {source!r}")
+    if model.lm_head.weight.dtype == torch.bfloat16:
+        raise UnsupportedError(
+            "TVM export: TVM 0.27's layer_norm (the indexer's key norm) takes float32 and "
+            "float16 only, not bfloat16; export the model in float32 or float16"
+        )
     if source == "onnx":
         sizes = _fixed_sizes(model, kind, fixed)
-    try:
+    with unwrapped_errors():
         if source == "torch":
             from tvm.relax.frontend.torch import from_exported_program
 
             graph, args, dynamic = traced_graph(model, kind)
             program = torch.export.export(graph, args, dynamic_shapes=dynamic)
             _refuse_fp8_inputs(program)
-            return from_exported_program(program, custom_convert_map=convert_map())
+            converters = {**convert_map(), **_matmuls_in_input_dtype()}
+            return from_exported_program(program, custom_convert_map=converters)
         import onnxscript
         from tvm.relax.frontend.onnx import from_onnx
 
@@ -72,8 +78,6 @@ def relax_module(
             for dim, size in zip(value.type.tensor_type.shape.dim, shape, strict=True):
                 dim.dim_value = size
         return from_onnx(_constants_as_value(onnxscript.optimizer.optimize(proto)))
-    except Exception as err:
-        raise root_cause(err) from err
 
 
 def _fixed_sizes(
@@ -93,6 +97,39 @@ def _fixed_sizes(
     b, p, layers = fixed["batch"], fixed["past"], c.num_hidden_layers
     latent = c.kv_lora_rank + c.qk_rope_head_dim
     return [(b, 1), (layers, b, p, latent), (layers, b, p, c.index_head_dim)]
+
+
+def _matmuls_in_input_dtype() -> dict[str, Callable]:
+    """``custom_convert_map`` entries for torch's matmul family that keep the input's
+    dtype. TVM 0.27's importer makes every ``matmul`` / ``mm`` / ``bmm`` / ``addmm`` /
+    ``linear`` output float32, which breaks a bf16 model wherever that output meets a
+    bf16 tensor (the cache concatenation)."""
+
+    def emit(importer, expr: relax.Expr) -> relax.Expr:
+        return importer.block_builder.emit(expr)
+
+    def matmul(node: torch.fx.Node, importer) -> relax.Expr:
+        a, b = importer.retrieve_args(node)[:2]
+        return emit(importer, relax.op.matmul(a, b, out_dtype=str(a.ty.dtype)))
+
+    def linear(node: torch.fx.Node, importer) -> relax.Expr:
+        x, weight, *bias = importer.retrieve_args(node)
+        b = bias[0] if bias else None
+        return emit(importer, relax.op.linear(x, weight, b, str(x.ty.dtype)))
+
+    def addmm(node: torch.fx.Node, importer) -> relax.Expr:
+        x, a, b = importer.retrieve_args(node)[:3]
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        dtype = str(a.ty.dtype)
+        product = emit(importer, relax.op.matmul(a, b, out_dtype=dtype))
+        if alpha != 1:
+            product = emit(importer, relax.op.multiply(product, relax.const(alpha, dtype)))
+        if beta != 1:
+            x = emit(importer, relax.op.multiply(x, relax.const(beta, dtype)))
+        return emit(importer, relax.op.add(x, product)) if beta != 0 else product
+
+    return {"matmul.default": matmul, "mm.default": matmul, "bmm.default": matmul,
+            "addmm.default": addmm, "linear.default": linear}  # fmt: skip
 
 
 def _refuse_fp8_inputs(program: torch.export.ExportedProgram) -> None:

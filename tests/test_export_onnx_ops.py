@@ -14,19 +14,17 @@ import subprocess
 import sys
 import textwrap
 
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
-onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
-pytest.importorskip("onnxscript")
-
-import glmport  # noqa: E402
-from glmport.conformance.runner import run_check, suite_checks  # noqa: E402
-from glmport.core.errors import UnsupportedError  # noqa: E402
-from glmport.core.specs import OP_NAMES  # noqa: E402
-from glmport.export import onnx_ops  # noqa: E402
-from glmport.export.ort_backend import BACKEND  # noqa: E402
+import glmport
+from glmport.conformance.runner import run_check, suite_checks
+from glmport.core.errors import UnsupportedError
+from glmport.core.specs import OP_NAMES
+from glmport.export import onnx_ops
+from glmport.export.ort_backend import BACKEND
 
 VALUE_CHECKS = [c for c in suite_checks() if c.kind == "value"]
 

@@ -10,6 +10,7 @@ import torch
 
 import glmport
 import glmport.cli
+from glmport.conformance.model_case import run_model_check
 from glmport.core.errors import ConfigError, UnsupportedError
 from glmport.export.check import compare, sample_ids
 from glmport.export.tvm_model import TvmModel
@@ -47,6 +48,12 @@ def test_tvm_from_the_onnx_export_matches_torch_at_its_fixed_shape(model):
     assert found.max_abs <= TOLERANCE, found
 
 
+def test_a_bf16_model_is_refused_with_tvms_reason():
+    model = GlmMoeDsaForCausalLM.from_config("tiny", seed=0).to(torch.bfloat16)
+    with pytest.raises(UnsupportedError, match=r"layer_norm.*bfloat16"):
+        TvmModel.build(model, "prefill")
+
+
 def test_the_onnx_road_asks_for_its_fixed_axes(model):
     with pytest.raises(ConfigError, match="batch and past"):
         TvmModel.build(model, "decode", source="onnx", fixed={"batch": 2})
@@ -65,6 +72,14 @@ def test_tvm_names_the_op_it_cannot_take():
         quantize_model(model, experts="none", dense="fp8_block")
     with pytest.raises(UnsupportedError, match=r"quant_gemm.*fp8"):
         TvmModel.build(model, "prefill")
+
+
+def test_the_model_level_check_judges_what_tvm_takes_and_names_what_it_cannot():
+    verdict = run_model_check(torch.float32, "tvm", torch.device("cpu"))
+    assert verdict.ok, verdict.reason
+    assert "w4a8+fp8_block not judged" in verdict.reason and "float8" in verdict.reason
+    assert verdict.metrics["max_abs_dlogp"] < 1e-4
+    assert "w4a8+w8a8 T=1: max_abs_dlogp" in verdict.metrics
 
 
 def test_cli_exports_a_saved_checkpoint_to_tvm_decode(model, tmp_path, capsys):

@@ -11,13 +11,12 @@ import sys
 
 import pytest
 import torch
+import tvm
 
 import glmport
 import glmport.ops as ops
 from glmport.conformance.runner import run_check, suite_checks
 from glmport.core.errors import UnsupportedError
-
-tvm = pytest.importorskip("tvm")
 
 # Few, telling cases (each compiles a module): -1 padding and N < topk, empty rows and
 # ranges, ties, GQA, grouped routing, int4 packing, packed and QAT GEMMs, every float dtype.
