@@ -127,6 +127,8 @@ class BackendManifest:
         capabilities: per-op :class:`Capability`; an op absent here takes whatever its
             spec allows.
         priority: rank for ``GLMPORT_BACKEND=auto`` among available backends of a device.
+        auto: whether ``GLMPORT_BACKEND=auto`` may pick it at all (False: selected by
+            name only, like the export runtimes, which export every call).
         emulation: how it runs on a CPU under ``GLMPORT_EMULATE=1`` ("" if it cannot).
         verified: on what hardware it has really been checked, in plain words.
         stack: the vendor software it runs on, for environment reports: distribution
@@ -142,6 +144,7 @@ class BackendManifest:
     fallback: tuple[str, ...] = ()
     capabilities: Mapping[str, Capability] = field(default_factory=dict)
     priority: int = 0
+    auto: bool = True
     emulation: str = ""
     verified: str = "not verified on real hardware"
     stack: tuple[str, ...] = ()

@@ -230,14 +230,16 @@ def _auto(settings: Settings, device_type: str | None) -> str:
     and the device-neutral composites (``generic``, priority 0); equal priorities go to
     the composites, so a vendor backend takes over only by declaring a higher one. The
     reference is the judge, not a runtime choice: it is picked only when nothing else
-    runs there. With no device type (no tensors to follow): ``GLMPORT_DEVICE``'s type,
-    else the highest-priority accelerator present, else the CPU's."""
+    runs there. A backend whose manifest says ``auto=False`` is never picked. With no
+    device type (no tensors to follow): ``GLMPORT_DEVICE``'s type, else the
+    highest-priority accelerator present, else the CPU's."""
     ranked: list[tuple[int, bool, str, str, str]] = []
     for name in REGISTRY.names():
         avail = REGISTRY.availability(name, settings.emulate)
         if avail.ok and not avail.emulated:
             m = REGISTRY.get(name).manifest
-            ranked.append((m.priority, m.role != VENDOR, name, m.device_type, m.role))
+            if m.auto:
+                ranked.append((m.priority, m.role != VENDOR, name, m.device_type, m.role))
     want = device_type
     if want is None and settings.device is not None:
         want = torch.device(settings.device).type

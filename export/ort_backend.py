@@ -133,7 +133,7 @@ class OnnxRuntimeBackend(Backend):
         description="ONNX Runtime (CPU execution provider): each op exported alone as its "
         "ai.glmport ONNX function (opset 18) and run in a cached InferenceSession",
         ops=OP_NAMES,
-        priority=-10,  # a conformance target and export check, never picked by auto
+        auto=False,  # a conformance target and export check: selected by name only
         verified="onnxruntime 1.32 CPU execution provider: CPU (x86_64), CI",
         stack=("onnxruntime", "onnx", "onnxscript"),
     )

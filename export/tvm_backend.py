@@ -1,8 +1,8 @@
 """The ``tvm`` backend: every glmport op lowered to Relax (:mod:`.tvm_ops`), compiled for
 the llvm target and run in the Relax VM on CPU tensors.
 
-A conformance target for the TVM export path rather than a fast backend (priority
--10: ``auto`` never picks it). Each call's signature family -- op, scalar arguments,
+A conformance target for the TVM export path rather than a fast backend (``auto=False``:
+selected by name only). Each call's signature family -- op, scalar arguments,
 input dtypes and ranks, which optional inputs are None -- is compiled once; sizes are
 symbolic, so one module serves every shape. Tensors cross by DLPack (bf16 and fp16
 included). float8 is outside its capabilities: TVM's llvm target converts
@@ -148,7 +148,7 @@ class TvmBackend(Backend):
             "quant_gemm": Capability(scheme=_INT_SCHEMES),
             "grouped_gemm": Capability(scheme=_INT_SCHEMES),
         },
-        priority=-10,  # a conformance target for the export path, never auto's choice
+        auto=False,  # a conformance target and export check: selected by name only
         verified="TVM (llvm target): CPU (x86_64), CI",
         stack=("apache-tvm",),
     )
