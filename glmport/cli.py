@@ -430,6 +430,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from glmport.export.check import compare
 
     _check_environment()
+    _require_export_extra()
     model = _load_model(args.model, args.dtype)
     kind = "decode" if args.decode else "prefill"
     start = time.perf_counter()
@@ -467,6 +468,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
             print(f"glmport: error: above the tolerance {args.tolerance:g}", file=sys.stderr)
             return 1
     return 0
+
+
+def _require_export_extra() -> None:
+    """``glmport export`` needs the ``export`` extra: say which package is missing."""
+    import importlib.util
+
+    for module, dist in (("onnx", "onnx"), ("onnxruntime", "onnxruntime"),
+                         ("onnxscript", "onnxscript"), ("tvm", "apache-tvm")):  # fmt: skip
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"glmport export needs the export extra ({dist} is not installed): "
+                "pip install 'glmport[export]'"
+            )
 
 
 def _fixed_axes(args: argparse.Namespace, kind: str) -> dict[str, int] | None:

@@ -5,6 +5,8 @@ export; ``glmport export onnx`` on the tiny model."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -121,6 +123,18 @@ def test_cli_exports_the_tiny_model_to_onnx_and_checks_it(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert out.is_file() and f"{DOMAIN} nodes" in printed
     assert "check against eager torch: max |logits - torch|" in printed
+
+
+def test_cli_without_the_export_extra_names_the_missing_package(monkeypatch, tmp_path, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tvm" else real(name, *a)
+    )
+    args = ["export", "tvm", "--model", "tiny", "--out", str(tmp_path / "t")]
+    assert glmport.cli.main(args) == 2
+    assert "export extra (apache-tvm is not installed): pip install 'glmport[export]'" in (
+        capsys.readouterr().err
+    )
 
 
 def test_cli_bad_model_argument_is_one_error_line(tmp_path, capsys):
