@@ -14,9 +14,7 @@ every dtype, and its results are kept for the checks of the other dtypes.
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
@@ -81,10 +79,10 @@ def ep_cases() -> list[Case]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(folder: str) -> str:
+    """A ``torch.distributed`` init method through a file store in ``folder`` (a fresh
+    folder per run: the store file must not exist before the first rank opens it)."""
+    return (Path(folder) / "rendezvous").resolve().as_uri()
 
 
 def _kind(err: Exception) -> str:
@@ -123,7 +121,6 @@ def _worker(
     collectives: str,
     in_code: list[Backend],
     dtypes: list[torch.dtype],
-    port: int,
     out_dir: str,
 ) -> None:
     """One rank: runs ``dtypes`` in order, saving each result for the parent. An
@@ -139,9 +136,11 @@ def _worker(
         # Selected first: a vendor backend's probe may import the SDK that registers
         # the device's collectives with torch.distributed.
         with glmport.use_backend(backend, emulate=emulate):
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            # Rendezvous through a file of this run's own folder: a free port picked
+            # ahead can be taken by another process before the ranks bind it.
             dist.init_process_group(
                 collectives,
+                init_method=rendezvous(out_dir),
                 rank=rank,
                 world_size=WORLD,
                 timeout=timedelta(seconds=TIMEOUT_S),
@@ -200,7 +199,7 @@ def _spawn_once(
     method = start_method(device_type)
     in_code = _in_code_backends(backend)
     with tempfile.TemporaryDirectory(prefix="glmport-ep-") as out_dir:
-        args = (backend, emulate, device_type, collectives, in_code, dtypes, _free_port(), out_dir)
+        args = (backend, emulate, device_type, collectives, in_code, dtypes, out_dir)
         ctx = mp.start_processes(_worker, args, WORLD, join=False, start_method=method)
         stopped = ""
         deadline = time.monotonic() + TIMEOUT_S

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import ep_backends
 import pytest
@@ -26,15 +25,10 @@ TOKENS_PER_RANK, D, F, E, K = 6, 16, 12, 8, 3
 BACKENDS = {"generic": AllToAllExpertParallel, "cpu": GatherExpertParallel}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=ep_case.rendezvous(out_dir), rank=rank, world_size=world
+    )
     try:
         gen = torch.Generator().manual_seed(0)  # every rank builds the same global batch
         t_all = TOKENS_PER_RANK * world
@@ -80,7 +74,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_expert_parallel_matches_single_process(tmp_path, world):
     # Started like the conformance check's workers (a preloaded fork server on Linux;
     # test_the_conformance_check_works_in_spawned_workers covers spawn).
-    args = (world, _free_port(), str(tmp_path))
+    args = (world, str(tmp_path))
     mp.start_processes(_worker, args, world, start_method=ep_case.start_method("cpu"))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for backend, implementation in BACKENDS.items():
@@ -102,11 +96,12 @@ def test_expert_parallel_needs_an_initialised_group():
 
 
 @pytest.fixture
-def one_rank_group():
+def one_rank_group(tmp_path):
     """A gloo process group of this process alone (validation and selection need an
     initialised group, not peers)."""
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=ep_case.rendezvous(str(tmp_path)), rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
