@@ -15,7 +15,6 @@ onnx / onnxruntime are imported when the kernels load, never with glmport.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from collections.abc import Callable, Mapping
 
@@ -26,7 +25,7 @@ from glmport.core.formats import FP8_DTYPE
 from glmport.core.registry import Availability, Backend, BackendManifest, Kernel
 from glmport.core.specs import OP_NAMES, SPECS
 
-_INSTALL = "pip install 'glmport[export]'"
+from . import INSTALL, missing
 
 
 class _Sessions:
@@ -139,10 +138,8 @@ class OnnxRuntimeBackend(Backend):
     )
 
     def probe(self, emulate: bool) -> Availability:
-        for module in ("onnxruntime", "onnx"):
-            if importlib.util.find_spec(module) is None:
-                return Availability(False, f"{module} is not installed: {_INSTALL}")
-        return Availability(True)
+        why = missing("onnxruntime", "onnx")
+        return Availability(not why, f"{why}: {INSTALL}" if why else "")
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         sessions = _Sessions()

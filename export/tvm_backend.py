@@ -11,7 +11,6 @@ float8_e4m3fn wrongly. ``tvm`` is imported when the kernels load, never with glm
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -21,6 +20,8 @@ import torch
 
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
 from glmport.core.specs import OP_NAMES
+
+from . import INSTALL, missing
 
 log = logging.getLogger("glmport")
 
@@ -154,9 +155,8 @@ class TvmBackend(Backend):
     )
 
     def probe(self, emulate: bool) -> Availability:
-        if importlib.util.find_spec("tvm") is None:
-            return Availability(False, "apache-tvm is not installed: pip install 'glmport[export]'")
-        return Availability(True)
+        why = missing("tvm")
+        return Availability(not why, f"{why}: {INSTALL}" if why else "")
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         return {op: _kernel(op) for op in OP_NAMES}

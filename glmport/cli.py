@@ -472,15 +472,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _require_export_extra() -> None:
     """``glmport export`` needs the ``export`` extra: say which package is missing."""
-    import importlib.util
+    from glmport.export import EXTRA, INSTALL, missing
 
-    for module, dist in (("onnx", "onnx"), ("onnxruntime", "onnxruntime"),
-                         ("onnxscript", "onnxscript"), ("tvm", "apache-tvm")):  # fmt: skip
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"glmport export needs the export extra ({dist} is not installed): "
-                "pip install 'glmport[export]'"
-            )
+    why = missing(*EXTRA)
+    if why:
+        raise ConfigError(f"glmport export needs the export extra ({why}): {INSTALL}")
 
 
 def _fixed_axes(args: argparse.Namespace, kind: str) -> dict[str, int] | None:
