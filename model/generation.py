@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from .causal_lm import GlmMoeDsaForCausalLM
 
 NUM_DRAFT = 3  # GLM-5 drafts 3 tokens with its one MTP layer
+
+
+class GenerationAborted(GlmportError):
+    """:func:`generate`'s ``abort`` callback asked it to stop; no output is returned."""
 
 
 @dataclass
@@ -188,6 +192,7 @@ def generate(
     block_size: int = 16,
     return_logprobs: bool = False,
     record_choices: bool = False,
+    abort: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -210,6 +215,9 @@ def generate(
             with neither, the defaults).
         record_choices: also return the discrete choices (routed experts, indexer
             selections) of every consumed token, for replay in a training forward.
+        abort: asked before every decode step (not speculative); when it returns True
+            generation stops with :class:`GenerationAborted` and its partial output is
+            dropped (an asynchronous rollout whose policy was updated meanwhile).
 
     Returns:
         :class:`GenerationResult`.
@@ -220,9 +228,9 @@ def generate(
     )
     prompts = [list(p) for p in prompts]
     run = _Run(len(prompts), max_new_tokens, stop_tokens)
-    if speculative and (return_logprobs or record_choices):
+    if speculative and (return_logprobs or record_choices or abort is not None):
         raise ConfigError(
-            "return_logprobs / record_choices need sampled (non-speculative) decoding"
+            "return_logprobs / record_choices / abort need sampled (non-speculative) decoding"
         )
     if max_new_tokens == 0:
         empty = [torch.zeros(0) for _ in prompts] if return_logprobs else None
@@ -245,7 +253,8 @@ def generate(
             accepted, steps, t1 = _speculative(model, prompts, run, new_cache)
         else:
             scorer = _Scorer(model, 1.0 if greedy else temperature, logprobs)
-            accepted, steps, t1 = 0, 0, _plain(model, prompts, run, new_cache, sampler, scorer)
+            t1 = _plain(model, prompts, run, new_cache, sampler, scorer, abort)
+            accepted, steps = 0, 0
     t2 = time.perf_counter()
     n = sum(len(o) for o in run.out)
     return GenerationResult(
@@ -297,9 +306,9 @@ class _Scorer:
             self.logprobs[b].append(value)
 
 
-def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler, scorer: _Scorer) -> float:
-    """Prefill all prompts in one step, then one token per live sequence per step.
-    Returns the time prefill ended."""
+def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler, scorer: _Scorer, abort) -> float:
+    """Prefill all prompts in one step, then one token per live sequence per step
+    (``abort``: checked before each). Returns the time prefill ended."""
     cache = new_cache(model.config.num_hidden_layers)
     seqs = [cache.add_sequence() for _ in prompts]
     step = forward_cached(model, cache, seqs, prompts, last_only=True)
@@ -314,6 +323,8 @@ def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler, scorer: _Scor
         else:
             live.append(b)
     while live:
+        if abort is not None and abort():
+            raise GenerationAborted(f"generation aborted with {len(live)} sequences unfinished")
         step = forward_cached(
             model, cache, [seqs[b] for b in live], [[run.out[b][-1]] for b in live], last_only=True
         )

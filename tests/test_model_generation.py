@@ -290,6 +290,22 @@ def test_top_k_sampling_draws_only_from_the_k_best_tokens(model):
     assert firsts == set(best)
 
 
+def test_abort_stops_generation_between_decode_steps(model):
+    asked = []
+
+    def abort() -> bool:
+        asked.append(True)
+        return len(asked) == 3  # let two decode steps run
+
+    with pytest.raises(generation.GenerationAborted, match="2 sequences unfinished"):
+        generate(model, [[1, 2], [3]], 6, greedy=False, seed=0, abort=abort)
+    assert len(asked) == 3
+    never = generate(model, [[1, 2]], 4, greedy=False, seed=0, abort=lambda: False)
+    assert never.output_ids == generate(model, [[1, 2]], 4, greedy=False, seed=0).output_ids
+    with pytest.raises(ConfigError, match="abort need sampled"):
+        generate(model, [[1, 2]], 4, speculative=True, abort=lambda: False)
+
+
 def test_zero_new_tokens_returns_empty_outputs(model):
     result = generate(model, PROMPTS, 0, speculative=True)
     assert result.output_ids == [[], [], []] and result.new_tokens == 0
