@@ -38,6 +38,7 @@ __all__ = [
     "masked_sample_mean",
     "mismatch_stats",
     "opd_advantages",
+    "policy_gradient_loss",
     "ppo_clipped_loss",
 ]
 
@@ -441,6 +442,31 @@ def double_sided_is_loss(
         "is_kl": _token_mean(-log_ratio, mask),
     }
     return loss, stats
+
+
+def policy_gradient_loss(
+    logp: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Plain policy gradient (REINFORCE): token loss ``-A logp``, normalised with
+    :func:`masked_sample_mean`, treating every sample as on-policy however stale.
+
+    The control for :func:`double_sided_is_loss`: on fresh samples (``logp`` equal to
+    the rollout's) both have the same gradient ``-A grad(logp)``; on stale samples this
+    one neither reweights nor drops anything.
+
+    Args:
+        logp: ``[B, L]`` current-policy log-probs (carries gradient).
+        advantages: ``[B]`` or ``[B, L]``, detached.
+        mask: ``[B, L]`` torch.bool, True at real tokens.
+
+    Returns:
+        ``(loss, stats)``: 0-d loss, dtype of ``logp``; no stats.
+    """
+    fn = "policy_gradient_loss"
+    mask = _check_mask(fn, mask)
+    _check_tokens(fn, "logp", logp, mask)
+    adv = _check_advantages(fn, advantages, mask)
+    return masked_sample_mean(-_zero_pad(logp, mask) * adv, mask), {}
 
 
 def opd_advantages(teacher_logp: Tensor, student_logp: Tensor, mask: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ from glmport.rl.losses import (
     kl_penalty,
     masked_sample_mean,
     opd_advantages,
+    policy_gradient_loss,
     ppo_clipped_loss,
 )
 
@@ -206,6 +207,24 @@ def test_double_sided_is_strict_band():
     close(logp.grad, [[0.0, 0.0, -1.0 / 8, -1.2 / 8], [0.0, 0.45 / 4, 0.0, 0.0]])
     assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == 0.0
     close(stats["zeroed_fraction"], 3 / 6)
+
+
+def test_policy_gradient_loss_ignores_how_stale_a_sample_is():
+    # -A logp per token, the GLM-5 normalisation; NaN at padding is never read.
+    logp = t([[-1.0, -2.0, -0.5, NAN], [-3.0, -1.5, NAN, NAN]]).requires_grad_(True)
+    adv = torch.tensor([2.0, -1.0], dtype=F64)
+    loss, stats = policy_gradient_loss(logp, adv, MASK)
+    sample0 = -2.0 * (-1.0 - 2.0 - 0.5) / 3
+    sample1 = 1.0 * (-3.0 - 1.5) / 2
+    close(loss, (sample0 + sample1) / 2)
+    assert stats == {}
+    loss.backward()
+    close(logp.grad, [[-2.0 / 6] * 3 + [0.0], [1.0 / 4] * 2 + [0.0, 0.0]])
+    # On fresh samples (logp equal to the rollout's) it has double-sided IS's gradient.
+    fresh = logp.detach().nan_to_num(0.0).requires_grad_(True)
+    dsis, _ = double_sided_is_loss(fresh, fresh.detach(), adv, MASK)
+    dsis.backward()
+    close(fresh.grad, logp.grad)
 
 
 def test_opd_advantages_detached():
