@@ -113,7 +113,7 @@ def check_token_ids(what: str, row: object, vocab: int, *, non_empty: bool) -> N
         raise ConfigError(f"{what} has token ids outside [0, {vocab}): {bad[:5]}")
 
 
-def _validate(
+def validate_generation(
     model,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -159,7 +159,7 @@ def _validate(
         raise ConfigError("speculative decoding needs an MTP layer; this model has none")
 
 
-class _Run:
+class DecodeRun:
     """Per-prompt outputs and the stop / length rule shared by both decoding loops."""
 
     def __init__(self, n: int, max_new_tokens: int, stop_tokens: Sequence[int]) -> None:
@@ -223,11 +223,11 @@ def generate(
         :class:`GenerationResult`.
     """
     stop_tokens = tuple(stop_tokens)
-    _validate(
+    validate_generation(
         model, prompts, max_new_tokens, greedy, temperature, top_p, top_k, stop_tokens, speculative
     )
     prompts = [list(p) for p in prompts]
-    run = _Run(len(prompts), max_new_tokens, stop_tokens)
+    run = DecodeRun(len(prompts), max_new_tokens, stop_tokens)
     if speculative and (return_logprobs or record_choices or abort is not None):
         raise ConfigError(
             "return_logprobs / record_choices / abort need sampled (non-speculative) decoding"
@@ -252,7 +252,7 @@ def generate(
         if speculative:
             accepted, steps, t1 = _speculative(model, prompts, run, new_cache)
         else:
-            scorer = _Scorer(model, 1.0 if greedy else temperature, logprobs)
+            scorer = TokenScorer(model, 1.0 if greedy else temperature, logprobs)
             t1 = _plain(model, prompts, run, new_cache, sampler, scorer, abort)
             accepted, steps = 0, 0
     t2 = time.perf_counter()
@@ -289,7 +289,7 @@ def _consumed_choices(
     return out
 
 
-class _Scorer:
+class TokenScorer:
     """The log-probabilities of sampled tokens, from a cached step's hidden states, by
     ``token_logprobs`` (the op a trainer scores them with); a no-op when not asked."""
 
@@ -306,7 +306,9 @@ class _Scorer:
             self.logprobs[b].append(value)
 
 
-def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler, scorer: _Scorer, abort) -> float:
+def _plain(
+    model, prompts, run: DecodeRun, new_cache, sampler: Sampler, scorer: TokenScorer, abort
+) -> float:
     """Prefill all prompts in one step, then one token per live sequence per step
     (``abort``: checked before each). Returns the time prefill ended."""
     cache = new_cache(model.config.num_hidden_layers)
@@ -341,7 +343,7 @@ def _plain(model, prompts, run: _Run, new_cache, sampler: Sampler, scorer: _Scor
     return t_prefill
 
 
-def _speculative(model, prompts, run: _Run, new_cache) -> tuple[int, int, float]:
+def _speculative(model, prompts, run: DecodeRun, new_cache) -> tuple[int, int, float]:
     """Greedy MTP speculative decoding; returns (sum of acceptance lengths, verification
     steps with drafts, the time prefill ended).
 
