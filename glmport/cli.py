@@ -373,6 +373,12 @@ def _overrides(text: str) -> dict:
     return out
 
 
+def _async_options(args: argparse.Namespace) -> dict:
+    """The asynchronous trainer's runtime options given on the command line."""
+    given = {"ray_address": args.ray_address, "worker_threads": args.worker_threads}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _cmd_rl_train(args: argparse.Namespace) -> int:
     from glmport.rl.run import train
     from glmport.rl.trainer import RLConfig
@@ -385,7 +391,14 @@ def _cmd_rl_train(args: argparse.Namespace) -> int:
                 f"--resume continues the run in --out with its own settings; drop "
                 f"{', '.join('--' + f.replace('_', '-') for f in given)} (only --steps may change)"
             )
-        records = train(None, args.out, resume=True, steps=args.steps, progress=not args.quiet)
+        records = train(
+            None,
+            args.out,
+            resume=True,
+            steps=args.steps,
+            progress=not args.quiet,
+            options=_async_options(args),
+        )
     else:
         config = RLConfig(
             **({} if args.task is None else {"task": args.task}),
@@ -411,8 +424,16 @@ def _cmd_rl_train(args: argparse.Namespace) -> int:
             seed=args.seed,
             checkpoint_every=args.checkpoint_every,
             eval_every=args.eval_every,
+            mode=args.mode,
+            max_staleness=args.max_staleness,
+            rollout_workers=args.rollout_workers,
+            async_loss=args.async_loss,
+            publish_every=args.publish_every,
         )
-        records = train(config, args.out, progress=not args.quiet)
+        options = _async_options(args)
+        if options and config.mode != "async":
+            raise ConfigError("--ray-address / --worker-threads need --mode async")
+        records = train(config, args.out, progress=not args.quiet, options=options)
     if records:
         last = records[-1]
         keys = ("step", "reward", "mismatch_mean", "pop_fraction", "reverse_kl")
@@ -629,7 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="GRPO + IcePop (or on-policy distillation) on a tiny GLM-5",
         description="Synchronous RL: rollout on --rollout-backend in --rollout-dtype, "
         "training on --train-backend in fp32, the mismatch between them reported every "
-        "step. Writes metrics.jsonl, curves.png and checkpoint/ into --out.",
+        "step. Asynchronous RL (--mode async): Ray rollout workers on --rollout-backend, "
+        "bounded staleness, double-sided importance sampling. Writes metrics.jsonl, "
+        "curves.png and checkpoint/ (and ledger.jsonl when async) into --out.",
     )
     from glmport.rl.trainer import DEFAULT_KL_COEF, DEFAULT_LR, DEFAULT_LR_DISTILL, RLConfig
 
@@ -700,9 +723,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.eval_every,
         help="steps between greedy evaluations on held-out prompts (0: none)",
     )
+    tr.add_argument(
+        "--mode",
+        choices=("sync", "async"),
+        default=d.mode,
+        help="sync: rollout then training each step; async: Ray rollout workers sample "
+        "continuously, training takes groups up to --max-staleness versions old",
+    )
+    tr.add_argument(
+        "--max-staleness",
+        type=int,
+        default=d.max_staleness,
+        help=f"async: policy versions a trained group may lag ({d.max_staleness})",
+    )
+    tr.add_argument(
+        "--rollout-workers",
+        type=int,
+        default=d.rollout_workers,
+        help=f"async: Ray rollout workers ({d.rollout_workers})",
+    )
+    tr.add_argument(
+        "--async-loss",
+        choices=("dsis", "pg"),
+        default=d.async_loss,
+        help="async: dsis, direct double-sided importance sampling (GLM-5), or pg, plain "
+        "policy gradient (the control)",
+    )
+    tr.add_argument(
+        "--publish-every",
+        type=int,
+        default=d.publish_every,
+        help="async: policy versions between weight updates of the rollout workers "
+        f"({d.publish_every})",
+    )
+    tr.add_argument(
+        "--ray-address",
+        default=None,
+        help="async: join this Ray cluster (default: start a local instance)",
+    )
+    tr.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="async: torch threads per rollout worker (default: cores / workers)",
+    )
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(func=_cmd_rl_train)
+
     return parser
 
 

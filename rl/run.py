@@ -18,6 +18,7 @@ _LIVE = (
     ("eval_reward", "eval"),
     ("mismatch_mean", "|dlogp|"),
     ("reverse_kl", "rev-KL"),
+    ("staleness_mean", "stale"),
 )
 
 
@@ -28,6 +29,7 @@ def train(
     resume: bool = False,
     steps: int | None = None,
     progress: bool = True,
+    options: dict | None = None,
 ) -> list[dict]:
     """Run ``config`` writing into ``out``, or continue the run in ``out``.
 
@@ -39,6 +41,8 @@ def train(
             (written after it, by a run that then stopped) are dropped first.
         steps: with ``resume``, a new total number of steps.
         progress: draw a rich progress bar on the terminal.
+        options: keyword arguments of the asynchronous trainer besides its config
+            (``ray_address``, ``worker_threads``, ...); mode ``"async"`` only.
 
     Returns:
         The metrics of every step in ``out/metrics.jsonl``.
@@ -46,8 +50,9 @@ def train(
     out = Path(out)
     metrics_path = out / METRICS
     if resume:
-        trainer = Trainer.resume(
-            out / CHECKPOINT, out, **({} if steps is None else {"steps": steps})
+        saved = RLConfig.from_json(Trainer.read_state(out / CHECKPOINT)["rl_config"])
+        trainer = trainer_class(saved.mode, options).resume(
+            out / CHECKPOINT, out, options=options, **({} if steps is None else {"steps": steps})
         )
         kept = [r for r in _read(metrics_path) if r.get("step", 0) <= trainer.step_index]
         with MetricsLog(metrics_path) as log:
@@ -60,10 +65,10 @@ def train(
             raise ConfigError(
                 f"{out} already holds a run; resume it (--resume) or choose another --out"
             )
-        trainer = Trainer(config, out)
+        trainer = trainer_class(config.mode, options)(config, out, **(options or {}))
         MetricsLog(metrics_path).close()
     title = f"{trainer.task.describe()}, seed {trainer.config.seed}"
-    with MetricsLog(metrics_path, append=True) as log:
+    with trainer, MetricsLog(metrics_path, append=True) as log:
         if progress:
             _run_with_progress(trainer, log)
         else:
@@ -72,6 +77,18 @@ def train(
     if records:
         plot_curves(records, out / CURVES, title=title)
     return records
+
+
+def trainer_class(mode: str, options: dict | None = None) -> type[Trainer]:
+    """The trainer of ``mode`` (``"sync"`` or ``"async"``); ``options`` are the
+    asynchronous trainer's only."""
+    if mode == "async":
+        from .async_trainer import AsyncTrainer
+
+        return AsyncTrainer
+    if options:
+        raise ConfigError(f"{', '.join(sorted(options))}: options of mode 'async' only")
+    return Trainer
 
 
 def _read(path: Path) -> list[dict]:

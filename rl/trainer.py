@@ -48,8 +48,8 @@ from .losses import (
     opd_advantages,
 )
 from .tasks import Task, make_task, shuffled_rewards
+from .workers import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT = "checkpoint"
 # Adam's learning rate (``lr`` None): distillation's per-token advantages are large
 # (log-prob gaps of several nats), so it steps more gently.
@@ -59,6 +59,10 @@ DEFAULT_KL_COEF = 0.1
 # The KL coefficient never decays below this fraction of its start: with none left, a
 # near-deterministic policy's rare differing samples drive Adam's steps and undo it.
 KL_FLOOR = 0.2
+MODES = ("sync", "async")
+ASYNC_LOSSES = ("dsis", "pg")
+# Per-update statistics averaged over the minibatches into the step's metrics.
+UPDATE_STATS = ("clip_fraction", "ppo_kl", "zeroed_fraction", "is_kl", "loss", "grad_norm", "kl")
 
 
 @dataclass
@@ -74,6 +78,13 @@ class RLConfig:
     ``lr`` None: 2e-3, or 5e-4 when distilling.
     ``eval_every``: steps between greedy evaluations on held-out prompts (0: never;
     also after the last step), reported as ``eval_reward``.
+    ``mode``: ``"sync"`` (this module's :class:`Trainer`) or ``"async"``
+    (:class:`~glmport.rl.async_trainer.AsyncTrainer`: ``rollout_workers`` Ray actors
+    sample continuously, groups at most ``max_staleness`` policy versions old are
+    trained with ``async_loss``: ``"dsis"``, direct double-sided importance sampling,
+    or ``"pg"``, plain policy gradient, the control); the rollout workers get new
+    weights every ``publish_every`` versions (the weight-sync interval: more than 1
+    makes their samples older, never beyond ``max_staleness``).
 
     The defaults learn the toy tasks from random initialisation (docs/rl.md): GLM-5's
     clip and IcePop settings, plus two changes a randomly initialised policy needs —
@@ -114,11 +125,17 @@ class RLConfig:
     checkpoint_every: int = 25
     eval_every: int = 25
     eval_prompts: int = 256
+    mode: str = "sync"
+    max_staleness: int = 4
+    rollout_workers: int = 2
+    async_loss: str = "dsis"
+    publish_every: int = 1
 
     def __post_init__(self) -> None:
         self.replay = tuple(self.replay)
         lowest = {"steps": 0, "prompts_per_step": 1, "group_size": 1, "minibatches": 1}
         lowest.update(checkpoint_every=1, eval_every=0, eval_prompts=1, kl_decay_steps=0)
+        lowest.update(max_staleness=0, rollout_workers=1, publish_every=1)
         for name, low in lowest.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -145,10 +162,29 @@ class RLConfig:
             self.kl_coef = 0.0 if self.opd_teacher is not None else DEFAULT_KL_COEF
         if not isinstance(self.kl_coef, (int, float)) or not 0 <= self.kl_coef < math.inf:
             raise ConfigError(f"kl_coef must be finite and >= 0, got {self.kl_coef!r}")
+        self._check_mode()
         for name in ("opd_teacher", "init"):
             folder = getattr(self, name)
             if folder is not None and not (Path(folder) / "config.json").is_file():
                 raise ConfigError(f"{name}: {folder!r} is not a checkpoint folder (no config.json)")
+
+    def _check_mode(self) -> None:
+        for name, allowed in (("mode", MODES), ("async_loss", ASYNC_LOSSES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.publish_every > self.max_staleness + 1:
+            raise ConfigError(
+                f"publish_every ({self.publish_every}) exceeds max_staleness + 1 "
+                f"({self.max_staleness + 1}): every sample would be too stale to train on"
+            )
+        if self.mode == "async":
+            # Replayed choices and a teacher's scores belong to one policy version; the
+            # asynchronous trainer's samples span several.
+            for name in ("replay", "opd_teacher"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} is not supported with mode 'async'")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -184,6 +220,12 @@ def policy_config(task: Task, overrides: dict) -> GlmMoeDsaConfig:
         max_position_embeddings=max(64, length),
     )
     return GlmMoeDsaConfig.tiny(**{**base, **overrides})
+
+
+def _rows(advantages: torch.Tensor, part: torch.Tensor, width: int) -> torch.Tensor:
+    """The advantages of sample rows ``part``: ``[b]`` per sample or ``[b, width]`` per
+    token."""
+    return advantages[part] if advantages.dim() == 1 else advantages[part, :width]
 
 
 def _seed_for(seed: int, step: int, stream: int) -> int:
@@ -293,12 +335,7 @@ class Trainer:
             metrics["reverse_kl"] = float(gap.mean())
         else:
             advantages = group_advantages(rewards, c.group_size, normalize_std=c.normalize_std)
-        ref_logp = None
-        if self.reference is not None:
-            with glmport.use_backend(c.train_backend or None), torch.no_grad():
-                ref_logp = continuation_logprobs(
-                    self.reference, prompts, responses, temperature=c.temperature
-                ).logprobs
+        ref_logp = self._reference_logprobs(prompts, responses)
         mismatch = mismatch_stats(old.logprobs, rollout_logp, mask, c.icepop_beta or 2.0)
         metrics.update(
             mismatch_mean=float(mismatch.pop("logp_mismatch_mean")),
@@ -306,9 +343,20 @@ class Trainer:
             entropy=float(old.entropy[mask].mean()),
         )
         metrics.update({k: float(v) for k, v in mismatch.items()})
-        updates = self._update(
-            prompts, responses, old.logprobs, rollout_logp, advantages, mask, replay, ref_logp, s
-        )
+
+        def loss_fn(logp: torch.Tensor, part: torch.Tensor, width: int):
+            return grpo_icepop_loss(
+                logp,
+                old.logprobs[part, :width],
+                rollout_logp[part, :width],
+                _rows(advantages, part, width),
+                mask[part, :width],
+                eps_low=c.eps_low,
+                eps_high=c.eps_high,
+                beta=c.icepop_beta,
+            )
+
+        updates = self._update(prompts, responses, loss_fn, s, replay=replay, ref_logp=ref_logp)
         metrics.update(updates)
         t_train = time.perf_counter() - t1
         self.rollout_policy.load_state_dict(self.policy.state_dict())
@@ -345,9 +393,30 @@ class Trainer:
             return c.kl_coef
         return c.kl_coef * max(KL_FLOOR, 1.0 - step / c.kl_decay_steps)
 
+    def _reference_logprobs(self, prompts, responses) -> torch.Tensor | None:
+        """``[B, L]`` log-probs of the responses under the initial policy (None without
+        a KL penalty)."""
+        if self.reference is None:
+            return None
+        with glmport.use_backend(self.config.train_backend or None), torch.no_grad():
+            return continuation_logprobs(
+                self.reference, prompts, responses, temperature=self.config.temperature
+            ).logprobs
+
     def _update(
-        self, prompts, responses, old_logp, rollout_logp, advantages, mask, replay, ref_logp, s
-    ):
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, dict]],
+        s: int,
+        *,
+        replay: list | None = None,
+        ref_logp: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """The step's Adam updates: the samples shuffled into ``minibatches``, each
+        scored on the training backend and stepped on ``loss_fn(logp, rows, width)``
+        (``logp`` ``[b, width]`` of sample ``rows``) plus the decayed KL penalty to
+        ``ref_logp``. Returns :data:`UPDATE_STATS` averaged over the minibatches."""
         c = self.config
         order = torch.randperm(len(prompts), generator=_generator(c.seed, s, 3))
         totals: dict[str, float] = {}
@@ -363,19 +432,10 @@ class Trainer:
                     kinds=c.replay,
                 )
                 width = scored.logprobs.shape[1]
-                loss, stats = grpo_icepop_loss(
-                    scored.logprobs,
-                    old_logp[part, :width],
-                    rollout_logp[part, :width],
-                    advantages[part] if advantages.dim() == 1 else advantages[part, :width],
-                    mask[part, :width],
-                    eps_low=c.eps_low,
-                    eps_high=c.eps_high,
-                    beta=c.icepop_beta,
-                )
+                loss, stats = loss_fn(scored.logprobs, part, width)
                 if ref_logp is not None:
                     kl = kl_penalty(scored.logprobs, ref_logp[part, :width], c.kl_kind)
-                    m = mask[part, :width]
+                    m = scored.mask
                     kl_mean = (kl * m).sum() / m.sum().clamp(min=1)
                     loss = loss + self.kl_weight(s) * kl_mean
                     stats = {**stats, "kl": kl_mean.detach()}
@@ -385,7 +445,7 @@ class Trainer:
                 self.optimizer.step()
             stats = {**stats, "loss": loss.detach(), "grad_norm": norm}
             for k, v in stats.items():
-                if k in ("clip_fraction", "ppo_kl", "loss", "grad_norm", "kl"):
+                if k in UPDATE_STATS:
                     totals[k] = totals.get(k, 0.0) + float(v) / c.minibatches
         return totals
 
@@ -423,29 +483,59 @@ class Trainer:
                 # Step s draws only from generators seeded by (seed, s): this is the RNG state.
                 "rng": {"seed": self.config.seed, "next_step": self.step_index},
                 "optimizer_param_groups": groups,
+                **self._extra_state(),
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
         return folder
+
+    def _extra_state(self) -> dict:
+        """What a subclass adds to ``state.json`` (restored by :meth:`_restore`)."""
+        return {}
+
+    def _restore(self, state: dict) -> None:
+        """Take back what :meth:`_extra_state` saved, from a checkpoint's ``state.json``."""
+
+    def close(self) -> None:
+        """Release what the run holds (nothing here; the asynchronous trainer's Ray)."""
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _checkpoint_dir(self) -> Path:
         if self.out is None:
             raise ConfigError("Trainer.save: no folder given and the trainer has no out dir")
         return self.out / CHECKPOINT
 
-    @classmethod
-    def resume(cls, folder: str | Path, out: str | Path | None = None, **changes) -> Trainer:
-        """A trainer continuing the checkpoint in ``folder`` (as written by :meth:`save`);
-        ``changes`` may only raise ``steps``."""
-        folder = Path(folder)
-        state_file = folder / "state.json"
+    @staticmethod
+    def read_state(folder: str | Path) -> dict:
+        """The ``state.json`` of the checkpoint in ``folder``."""
+        state_file = Path(folder) / "state.json"
         if not state_file.is_file():
             raise ConfigError(f"{folder} is not an RL checkpoint (no state.json)")
-        state = json.loads(state_file.read_text())
+        return json.loads(state_file.read_text())
+
+    @classmethod
+    def resume(
+        cls,
+        folder: str | Path,
+        out: str | Path | None = None,
+        *,
+        options: dict | None = None,
+        **changes,
+    ) -> Trainer:
+        """A trainer continuing the checkpoint in ``folder`` (as written by :meth:`save`);
+        ``changes`` may only raise ``steps``; ``options``: the constructor's keyword
+        arguments besides the config (where the run executes, not what it computes)."""
+        folder = Path(folder)
+        state = cls.read_state(folder)
         data = state["rl_config"]
         if set(changes) - {"steps"}:
             raise ConfigError(f"resume may change only steps, got {sorted(changes)}")
         config = RLConfig.from_json({**data, **changes})
-        trainer = cls(config, out)
+        trainer = cls(config, out, **(options or {}))
         loaded = GlmMoeDsaForCausalLM.from_pretrained(folder / "policy", dtype=torch.float32)
         trainer.policy.load_state_dict(loaded.state_dict())
         trainer.rollout_policy.load_state_dict(loaded.state_dict())
@@ -455,6 +545,7 @@ class Trainer:
             state["optimizer_param_groups"],
         )
         trainer.step_index, trainer.version = state["step"], state["policy_version"]
+        trainer._restore(state)
         if trainer.step_index > config.steps:
             raise ConfigError(
                 f"the checkpoint is at step {trainer.step_index}, past steps={config.steps}"
