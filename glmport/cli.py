@@ -1,5 +1,5 @@
 """The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``,
-``glmport generate``, ``glmport export onnx|tvm``, ``glmport rl train``.
+``glmport generate``, ``glmport export onnx|tvm``, ``glmport rl train|serve``.
 
 Bad input never ends in a traceback: a malformed argument, ``GLMPORT_*`` variable,
 checkpoint or selection is one line on stderr, ``glmport: error: ...``, and exit
@@ -442,6 +442,69 @@ def _cmd_rl_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _cmd_rl_serve(args: argparse.Namespace) -> int:
+    from contextlib import ExitStack
+
+    from glmport.rl.gateway import policy_source, serve_forever, start_local_pool, start_ray_pool
+    from glmport.rl.gateway_app import create_app
+
+    token = args.token or os.environ.get("GLMPORT_GATEWAY_TOKEN") or None
+    if token is None and not _is_loopback(args.host):
+        raise ConfigError(
+            f"--host {args.host} is not a loopback address: serving beyond this machine needs "
+            "a bearer token (--token or GLMPORT_GATEWAY_TOKEN)"
+        )
+    for flag, value in (("--workers", args.workers), ("--max-sessions", args.max_sessions)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must lie in 0..65535 (0: a free port), got {args.port}")
+    _check_environment()
+    spec, version = policy_source(args.model)
+    model = _load_model(spec)
+    options = dict(
+        workers=args.workers, backend=args.backend, dtype=args.dtype, max_sessions=args.max_sessions
+    )
+    with ExitStack() as stack:
+        if args.local:
+            pool = start_local_pool(model, version, **options)
+            kind = "in-process"
+        else:
+            from glmport.rl.ray_runtime import ray_session
+
+            stack.enter_context(ray_session(args.ray_address))
+            pool = start_ray_pool(model, version, **options)
+            kind = "Ray actors"
+        stack.callback(pool.close)
+        limit = args.max_new_tokens_limit
+        app = create_app(
+            pool, token=token, **({} if limit is None else {"max_new_tokens_limit": limit})
+        )
+
+        def announce(url: str) -> None:
+            print(
+                f"gateway on {url} ({pool.size} worker{'s' * (pool.size != 1)}, {kind}, "
+                f"policy version {version}); "
+                "POST /generate, GET /health; Ctrl-C stops",
+                flush=True,
+            )
+
+        serve_forever(app, args.host, args.port, announce=announce)
+    print("gateway stopped", flush=True)
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export, save, and (unless --no-check) run the export against the eager model."""
     import time
@@ -770,6 +833,39 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(func=_cmd_rl_train)
+
+    sv = rl_sub.add_parser(
+        "serve",
+        help="the token-in-token-out gateway: POST /generate, GET /health",
+        description="Serve a policy over HTTP, token ids in and out (never text), with each "
+        "session pinned to one rollout worker (consistent hashing) that reuses its KV cache. "
+        "Binds 127.0.0.1 by default; another --host needs a bearer token (--token or "
+        "GLMPORT_GATEWAY_TOKEN). Workers are Ray actors (a local Ray instance unless "
+        "--ray-address), or in-process with --local.",
+    )
+    sv.add_argument(
+        "--model",
+        required=True,
+        help="'tiny' (random, seed 0), a checkpoint folder, or an RL checkpoint "
+        "(out/checkpoint: its policy and policy version)",
+    )
+    sv.add_argument("--workers", type=int, default=1, help="rollout workers")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    sv.add_argument("--port", type=int, default=8000, help="0: a free port")
+    sv.add_argument("--token", default=None, help="bearer token every request must send")
+    sv.add_argument("--backend", default=None, help="workers' glmport backend")
+    sv.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="workers' dtype")
+    sv.add_argument("--max-sessions", type=int, default=64, help="cached sessions per worker")
+    sv.add_argument(
+        "--max-new-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_new_tokens a request may ask (default 1024)",
+    )
+    where_sv = sv.add_mutually_exclusive_group()
+    where_sv.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    where_sv.add_argument("--local", action="store_true", help="in-process workers, no Ray")
+    sv.set_defaults(func=_cmd_rl_serve)
 
     return parser
 
