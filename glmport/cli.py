@@ -1,5 +1,5 @@
 """The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``,
-``glmport generate``, ``glmport export onnx|tvm``, ``glmport rl train|serve``.
+``glmport generate``, ``glmport export onnx|tvm``, ``glmport rl train|serve|agent``.
 
 Bad input never ends in a traceback: a malformed argument, ``GLMPORT_*`` variable,
 checkpoint or selection is one line on stderr, ``glmport: error: ...``, and exit
@@ -505,6 +505,63 @@ def _cmd_rl_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rl_agent(args: argparse.Namespace) -> int:
+    from contextlib import ExitStack
+
+    from glmport.rl.agent import (
+        GatewayClient,
+        episode_summary,
+        local_gateway,
+        mean_summary,
+        run_episodes,
+    )
+    from glmport.rl.agent_env import AgentEnv
+    from glmport.rl.context import parse_context
+
+    if args.token and not args.gateway:
+        raise ConfigError("--token is the bearer token of --gateway; the in-process one needs none")
+    context = parse_context(args.context)
+    env = AgentEnv(args.task, max_turns=args.max_turns, max_context=args.max_context)
+    with ExitStack() as stack:
+        if args.gateway:
+            client = stack.enter_context(GatewayClient(args.gateway, args.token))
+        else:
+            from glmport.rl.gateway import policy_source
+
+            _check_environment()
+            spec, version = policy_source(args.model or "tiny")
+            client = stack.enter_context(local_gateway(_load_model(spec), version))
+        trajectories = run_episodes(
+            env,
+            client,
+            episodes=args.episodes,
+            context=context,
+            seed=args.seed,
+            temperature=args.temperature,
+        )
+    episodes = [episode_summary(t) for t in trajectories]
+    summary = mean_summary(episodes)
+    if args.json:
+        report = {"env": env.describe(), "context": context.spec(), "episodes": episodes}
+        print(json.dumps({**report, "summary": summary}))
+        return 0
+    print(f"env {env.describe()}; context {context.spec()}")
+    for i, e in enumerate(episodes):
+        print(
+            f"episode {i}: reward {e['reward']:.3f} ({e['end']}), {e['turns']} turns "
+            f"({e['calls']} calls, {e['errors']} malformed), {e['generated_tokens']} tokens "
+            f"generated, {e['folded_tokens']} folded, {e['dropped_tokens']} dropped, "
+            f"cache reuse {e['cache_reuse']:.2f}"
+        )
+    print(
+        f"{summary['episodes']} episodes: mean reward {summary['mean_reward']:.3f}, solved "
+        f"{summary['solved']}/{summary['episodes']}, {summary['turns']} turns, "
+        f"{summary['generated_tokens']} tokens generated, {summary['folded_tokens']} folded, "
+        f"{summary['dropped_tokens']} dropped, cache reuse {summary['cache_reuse']:.2f}"
+    )
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     """Export, save, and (unless --no-check) run the export against the eager model."""
     import time
@@ -867,6 +924,37 @@ def build_parser() -> argparse.ArgumentParser:
     where_sv.add_argument("--local", action="store_true", help="in-process workers, no Ray")
     sv.set_defaults(func=_cmd_rl_serve)
 
+    ag = rl_sub.add_parser(
+        "agent",
+        help="multi-turn tool-use episodes of a toy agent through the token gateway",
+        description="Plays toy agent episodes (sum numbers with an ADD tool, or values "
+        "hidden behind a LOOKUP tool) through a token-in-token-out gateway: --gateway URL, "
+        "or --model served in-process on a loopback port. Prints each episode's reward, "
+        "turns, tokens generated / folded / dropped and KV-cache reuse.",
+    )
+    where = ag.add_mutually_exclusive_group()
+    where.add_argument("--gateway", default=None, help="gateway URL, e.g. http://127.0.0.1:8000")
+    where.add_argument(
+        "--model",
+        default=None,
+        help="'tiny' (default), a model folder or an RL checkpoint, served in-process",
+    )
+    ag.add_argument("--token", default=None, help="bearer token of --gateway")
+    ag.add_argument("--task", choices=("lookup", "add"), default="lookup")
+    ag.add_argument("--episodes", type=int, default=4)
+    ag.add_argument(
+        "--context",
+        default="none",
+        help="none | keep-recent:K | discard-all:T | hybrid:K,T (GLM-5's context management)",
+    )
+    ag.add_argument("--max-turns", type=int, default=8, help="policy turns per episode")
+    ag.add_argument(
+        "--max-context", type=int, default=256, help="request tokens (input + new) at most"
+    )
+    ag.add_argument("--temperature", type=float, default=1.0, help="sampling (0: greedy)")
+    ag.add_argument("--seed", type=_seed, default=0, help="problems and sampling seeds")
+    ag.add_argument("--json", action="store_true", help="one JSON object")
+    ag.set_defaults(func=_cmd_rl_agent)
     return parser
 
 
