@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 LEDGER = "ledger.jsonl"
 IN_FLIGHT_PER_WORKER = 2  # one sampling, one queued: a worker never idles on a round trip
-MAX_ATTEMPTS = 8  # a group requeued this often means something is broken: stop
+# A group whose worker died under it this often means something is broken: stop. (Being
+# interrupted or too stale is normal and not counted: each happens only after a step.)
+MAX_FAILURES = 8
 DEFAULT_WAIT_S = 300.0
 # Seed streams of a group (see trainer._seed_for), apart from the sync trainer's 0-3.
 _PROBLEM_STREAM, _SAMPLE_STREAM = 5, 6
@@ -105,6 +107,7 @@ class AsyncTrainer(Trainer):
         self.workers: list[Any] = []
         self._in_flight: dict[Any, tuple[list[GroupSpec], int]] = {}
         self._dead: set[int] = set()
+        self._group_failures: dict[int, int] = {}
         self._probes: dict[int, Any] = {}  # restarting workers: their pending health call
         self._weights: Any = None
         self._published = -1  # the version the workers sample with
@@ -198,11 +201,14 @@ class AsyncTrainer(Trainer):
 
     def _requeue(self, spec: GroupSpec, event: str, **details: Any) -> None:
         self.ledger.record(event, spec.group_id, attempt=spec.attempt, **details)
-        if spec.attempt + 1 >= MAX_ATTEMPTS:
-            raise GlmportError(
-                f"group {spec.group_id} was requeued {MAX_ATTEMPTS} times (last: {event}); "
-                "the rollout workers keep failing"
-            )
+        if event == "failed":
+            failures = self._group_failures.get(spec.group_id, 0) + 1
+            self._group_failures[spec.group_id] = failures
+            if failures >= MAX_FAILURES:
+                raise GlmportError(
+                    f"group {spec.group_id} lost its worker {MAX_FAILURES} times; "
+                    "the rollout workers keep dying"
+                )
         stream = _SAMPLE_STREAM + 100 * (spec.attempt + 1)
         again = replace(
             spec, attempt=spec.attempt + 1, seed=_seed_for(self.config.seed, spec.group_id, stream)

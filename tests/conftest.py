@@ -61,3 +61,16 @@ def cuda_module():
         return importlib.import_module(f"glmport.backends.cuda.{name}")
 
     return load
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance (2 CPUs) per test process, started by the first test that
+    asks for it and shut down at the end of the session: every Ray start costs seconds
+    (much more on a loaded machine), and code under test that enters ``ray_session``
+    reuses a running instance."""
+    ray = pytest.importorskip("ray", reason="the rl extra (ray) is not installed")
+    from glmport.rl.ray_runtime import ray_session
+
+    with ray_session(num_cpus=2):
+        yield ray

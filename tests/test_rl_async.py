@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from glmport.cli import main
-from glmport.core.errors import ConfigError
+from glmport.core.errors import ConfigError, GlmportError
 from glmport.model.generation import generate
 from glmport.rl.staleness import GroupLedger, LedgerError, StalenessManager, audit
 from glmport.rl.tasks import Problem, make_task
@@ -156,16 +156,23 @@ def test_worker_without_sampling_refuses_rollouts(policy):
         worker.rollout([], 0, [model.state_dict()])
 
 
+def test_interruptions_never_stop_a_run_but_a_group_losing_workers_does():
+    from glmport.rl.async_trainer import MAX_FAILURES, AsyncTrainer
+
+    trainer = AsyncTrainer(small())  # Ray starts with the first step: not here
+    spec = trainer._issue()
+    for event in ["interrupted", "stale"] * 10:
+        trainer._requeue(spec, event)
+        spec = trainer.queue.popleft()
+    assert spec.attempt == 20 and len({trainer._issue().group_id, spec.group_id}) == 2
+    for _ in range(MAX_FAILURES - 1):
+        trainer._requeue(spec, "failed", worker=0)
+        spec = trainer.queue.popleft()
+    with pytest.raises(GlmportError, match=f"lost its worker {MAX_FAILURES} times"):
+        trainer._requeue(spec, "failed", worker=0)
+
+
 # -- the trainer on Ray ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray", reason="the rl extra (ray) is not installed")
-    from glmport.rl.ray_runtime import ray_session
-
-    with ray_session(num_cpus=2):
-        yield ray
 
 
 def _ledger(folder):

@@ -355,19 +355,16 @@ CLIENTS, REQUESTS = 8, 8
 
 
 @pytest.fixture(scope="module")
-def ray_gateway(model):
+def ray_gateway(model, ray_local):
     """Local Ray (2 CPUs), 2 rollout-worker actors, uvicorn on a free loopback port."""
-    pytest.importorskip("ray")
     from glmport.rl.gateway import start_ray_pool
-    from glmport.rl.ray_runtime import ray_session
 
-    with ray_session(num_cpus=2):
-        pool = start_ray_pool(model, VERSION, workers=2, max_restarts=2)
-        try:
-            with running_server(create_app(pool, token=TOKEN)) as url:
-                yield url, pool
-        finally:
-            pool.close()
+    pool = start_ray_pool(model, VERSION, workers=2, max_restarts=2)
+    try:
+        with running_server(create_app(pool, token=TOKEN)) as url:
+            yield url, pool
+    finally:
+        pool.close()
 
 
 def test_load_every_request_answered_exactly_once(model, ray_gateway):
