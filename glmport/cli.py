@@ -456,6 +456,10 @@ def _is_loopback(host: str) -> bool:
 def _cmd_rl_serve(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
+    from glmport.rl import require
+
+    require("glmport rl serve", "fastapi", "uvicorn", *(() if args.local else ("ray",)))
+
     from glmport.rl.gateway import policy_source, serve_forever, start_local_pool, start_ray_pool
     from glmport.rl.gateway_app import create_app
 
@@ -507,6 +511,10 @@ def _cmd_rl_serve(args: argparse.Namespace) -> int:
 
 def _cmd_rl_agent(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
+
+    from glmport.rl import require
+
+    require("glmport rl agent", "httpx", *(() if args.gateway else ("fastapi", "uvicorn")))
 
     from glmport.rl.agent import (
         GatewayClient,

@@ -37,6 +37,7 @@ import torch
 
 from glmport.core.errors import ConfigError, GlmportError
 
+from . import require
 from .losses import double_sided_is_loss, group_advantages, policy_gradient_loss
 from .staleness import GroupLedger, StalenessManager
 from .tasks import Problem, shuffled_rewards
@@ -122,6 +123,7 @@ class AsyncTrainer(Trainer):
         """Start (or join) Ray, the rollout workers, and publish the current policy."""
         if self._ray is not None:
             return
+        require("asynchronous RL (mode 'async')", "ray")
         from .ray_runtime import ray_session, rollout_actor
 
         c = self.config

@@ -4,6 +4,7 @@ twice, a resumed run continues the ledger, the CLI."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
@@ -302,3 +303,32 @@ def test_cli_bad_async_arguments_are_one_line(tmp_path, capsys, argv, message):
     assert code == 2
     assert err.startswith("glmport: error:") and err.count("\n") == 1
     assert message in err
+
+
+@pytest.mark.parametrize(
+    "argv, absent, message",
+    [
+        (
+            ["train", "--mode", "async", "--steps", "1", "--eval-every", "0"],
+            "ray",
+            "(mode 'async')",
+        ),
+        (["serve", "--model", "tiny"], "ray", "glmport rl serve"),
+        (["serve", "--model", "tiny", "--local"], "fastapi", "glmport rl serve"),
+        (["agent", "--episodes", "1"], "httpx", "glmport rl agent"),
+    ],
+)
+def test_without_the_rl_extra_each_command_is_one_error_line(
+    tmp_path, capsys, monkeypatch, argv, absent, message
+):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a)
+    )
+    if argv[0] == "train":
+        argv = [*argv, "--out", str(tmp_path / "run"), "--quiet"]
+    assert main(["rl", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glmport: error:") and err.count("\n") == 1
+    assert f"{message} needs the rl extra ({absent} not installed)" in err
+    assert "pip install 'glmport[rl]'" in err
