@@ -12,19 +12,3 @@
 Everything but :mod:`.graph` and :mod:`.check` needs the ``export`` extra (onnx,
 onnxruntime, onnxscript, apache-tvm); nothing here is imported by ``import glmport``.
 """
-
-import importlib.util
-
-# The ``export`` extra: import name -> distribution name.
-EXTRA = {"onnx": "onnx", "onnxruntime": "onnxruntime", "onnxscript": "onnxscript",
-         "tvm": "apache-tvm"}  # fmt: skip
-INSTALL = "pip install 'glmport[export]'"
-
-
-def missing(*modules: str) -> str:
-    """``"<distribution> is not installed"`` for the first of ``modules`` (keys of
-    :data:`EXTRA`) that is not, found without importing it; "" when all are."""
-    for module in modules:
-        if importlib.util.find_spec(module) is None:
-            return f"{EXTRA[module]} is not installed"
-    return ""

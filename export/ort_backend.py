@@ -21,11 +21,10 @@ from collections.abc import Callable, Mapping
 import torch
 
 from glmport.core.errors import UnsupportedError
+from glmport.core.extras import missing
 from glmport.core.formats import FP8_DTYPE
 from glmport.core.registry import Availability, Backend, BackendManifest, Kernel
 from glmport.core.specs import OP_NAMES, SPECS
-
-from . import INSTALL, missing
 
 
 class _Sessions:
@@ -139,7 +138,7 @@ class OnnxRuntimeBackend(Backend):
 
     def probe(self, emulate: bool) -> Availability:
         why = missing("onnxruntime", "onnx")
-        return Availability(not why, f"{why}: {INSTALL}" if why else "")
+        return Availability(not why, why)
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         sessions = _Sessions()

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
+from glmport.core.extras import missing
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
 from glmport.core.specs import OP_NAMES
-
-from . import INSTALL, missing
 
 log = logging.getLogger("glmport")
 
@@ -156,7 +155,7 @@ class TvmBackend(Backend):
 
     def probe(self, emulate: bool) -> Availability:
         why = missing("tvm")
-        return Availability(not why, f"{why}: {INSTALL}" if why else "")
+        return Availability(not why, why)
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         return {op: _kernel(op) for op in OP_NAMES}

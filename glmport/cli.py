@@ -456,7 +456,7 @@ def _is_loopback(host: str) -> bool:
 def _cmd_rl_serve(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from glmport.rl import require
+    from glmport.core.extras import require
 
     require("glmport rl serve", "fastapi", "uvicorn", *(() if args.local else ("ray",)))
 
@@ -512,7 +512,7 @@ def _cmd_rl_serve(args: argparse.Namespace) -> int:
 def _cmd_rl_agent(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from glmport.rl import require
+    from glmport.core.extras import require
 
     require("glmport rl agent", "httpx", *(() if args.gateway else ("fastapi", "uvicorn")))
 
@@ -621,11 +621,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _require_export_extra() -> None:
     """``glmport export`` needs the ``export`` extra: say which package is missing."""
-    from glmport.export import EXTRA, INSTALL, missing
+    from glmport.core.extras import require
 
-    why = missing(*EXTRA)
-    if why:
-        raise ConfigError(f"glmport export needs the export extra ({why}): {INSTALL}")
+    require("glmport export", "onnx", "onnxruntime", "onnxscript", "tvm")
 
 
 def _fixed_axes(args: argparse.Namespace, kind: str) -> dict[str, int] | None:

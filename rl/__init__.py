@@ -16,20 +16,3 @@ Importing this package imports no optional dependency; rich and matplotlib (the
 ``rl`` extra) load when a run draws its progress bar or curves, Ray when a run or the
 gateway asks for it.
 """
-
-import importlib.util
-
-from glmport.core.errors import ConfigError
-
-INSTALL = "pip install 'glmport[rl]'"
-
-
-def require(what: str, *modules: str) -> None:
-    """Raise a ConfigError saying ``what`` needs the ``rl`` extra when one of ``modules``
-    (ray, fastapi, uvicorn, httpx: their import and distribution names agree) is not
-    installed; found without importing them."""
-    absent = [m for m in modules if importlib.util.find_spec(m) is None]
-    if absent:
-        raise ConfigError(
-            f"{what} needs the rl extra ({', '.join(absent)} not installed): {INSTALL}"
-        )

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.extras import require
 
-from . import require
 from .losses import double_sided_is_loss, group_advantages, policy_gradient_loss
 from .staleness import GroupLedger, StalenessManager
 from .tasks import Problem, shuffled_rewards

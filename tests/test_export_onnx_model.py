@@ -132,7 +132,7 @@ def test_cli_without_the_export_extra_names_the_missing_package(monkeypatch, tmp
     )
     args = ["export", "tvm", "--model", "tiny", "--out", str(tmp_path / "t")]
     assert glmport.cli.main(args) == 2
-    assert "export extra (apache-tvm is not installed): pip install 'glmport[export]'" in (
+    assert "export extra (apache-tvm not installed): pip install 'glmport[export]'" in (
         capsys.readouterr().err
     )
 
