@@ -1,7 +1,7 @@
 """The path of one op call: validate, resolve the backend for the inputs' device, pick
 the first backend along the chain whose capabilities take the call, run its kernel,
-shadow-check; plus the fake kernel and the autograd formula that every op's
-``torch.library`` registration uses.
+shadow-check, record it in an open op trace (:mod:`.trace`); plus the fake kernel and
+the autograd formula that every op's ``torch.library`` registration uses.
 
 Eager calls that need neither autograd nor tracing skip the ``torch.library``
 dispatcher (its Python custom-op path costs tens of microseconds a call) and come
@@ -28,6 +28,7 @@ from .selection import (
 from .shadow import observe
 from .specs import SPECS, OpSpec
 from .specs.quant import PreparedWeight
+from .trace import active_trace
 from .validate import Level
 
 # Metadata signatures (shapes, dtypes, devices, scalars) that passed the checks: in
@@ -96,6 +97,9 @@ def run(name: str, args: tuple) -> object:
         raise
     if settings.shadow and settings.shadow != backend:
         observe(spec, backend, settings, args, out)
+    trace = active_trace()
+    if trace is not None:
+        trace.add(name, backend, args, out)
     return out
 
 
