@@ -261,3 +261,14 @@ JUDGES = {
     "indexer": indexer,
     "gate": gate,
 }
+# The judge of each op's calls (the suite's cases name theirs; ``glmport diff`` judges a
+# recorded call with its op's). Ops not listed: "close".
+JUDGE_OF_OP = {
+    "lightning_indexer": "indexer",
+    "indexer_logits": "logits",
+    "moe_gate": "gate",
+    "moe_dispatch": "exact",
+    "grouped_gemm": "gemm",
+    "quant_gemm": "gemm",
+    "quantize": "quantize",
+}

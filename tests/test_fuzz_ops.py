@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import glmport
-from glmport.conformance.judges import JUDGES, Verdict
+from glmport.conformance.judges import JUDGE_OF_OP, JUDGES, Verdict
 from glmport.core.errors import GlmportError, OpInputError
 from glmport.core.formats import FLOAT_WEIGHT, FORMATS, FP8_DTYPE, SCHEMES, quantize_tensor
 from glmport.core.registry import REGISTRY
@@ -58,15 +58,6 @@ CLASS_EXAMPLES = 8
 # range (fp16 tops out at 65504), so the float64 reference is a fair judge.
 HUGE = {torch.float32: 1e30, torch.bfloat16: 1e30, torch.float16: 1e3, FP8_DTYPE: 1e2}
 TINY = {torch.float32: 1e-30, torch.bfloat16: 1e-30, torch.float16: 1e-3, FP8_DTYPE: 1e-2}
-JUDGE_OF = {
-    "lightning_indexer": "indexer",
-    "indexer_logits": "logits",
-    "moe_gate": "gate",
-    "moe_dispatch": "exact",
-    "grouped_gemm": "gemm",
-    "quant_gemm": "gemm",
-    "quantize": "quantize",
-}
 
 COUNTS: Counter[tuple[str, str, str, str]] = Counter()
 
@@ -697,7 +688,7 @@ def _judge(call: Call, outs, refs):
             idx, sc = outs
             outs = (idx, torch.where(torch.isfinite(sc), sc + 1, sc))
             refs = torch.where(torch.isfinite(refs), refs + 1, refs)
-    return JUDGES[JUDGE_OF.get(call.op, "close")](call.op, call.dtype, call.args, outs, refs)
+    return JUDGES[JUDGE_OF_OP.get(call.op, "close")](call.op, call.dtype, call.args, outs, refs)
 
 
 def _nats(call: Call, outs: tuple, refs: tuple) -> Verdict:

@@ -1,0 +1,722 @@
+"""``glmport diff``: the op call and layer where two backends part ways on one model.
+
+The model runs on backend A and on backend B with the same weights and inputs, each
+under an op trace (:mod:`glmport.core.trace`: every op call's inputs and outputs, in
+the module it came from) and a choice tape (:mod:`glmport.model.choices`: the indexer's
+top-k and the experts). Then:
+
+- **on A's inputs**: every op call of A is run again on B with A's inputs and judged
+  against A's outputs by that op's conformance judge (tolerances of the op and dtype
+  from :mod:`glmport.core.tolerance`). The first call that fails is the *first
+  divergence*: B's kernel disagrees with A's on identical inputs, so it is that op,
+  not error carried in from upstream. Its inputs go to a replay file that
+  :func:`replay_call` (``glmport diff --replay FILE``) judges on each backend against
+  the float64 reference, as the conformance suite does;
+- **own run**: the outputs of B's own forward against A's, call by call (matched by
+  module, op and occurrence), and each decoder layer's output: how a difference
+  spreads;
+- **choices**: top-k overlap of the indexer and agreement of the routed experts per
+  layer, in B's own run and on A's inputs;
+- **logits**: mean / max ``|delta logp|`` of the next tokens, the IcePop pop fraction
+  at beta 2, greedy-token agreement.
+
+With ``follow=True`` B's forward replays A's choices (the choice tape RL uses to train
+on the rollout's experts and keys), so the comparison goes on downstream of a flipped
+top-k instead of drowning in its consequences; B's own choices are then still judged
+on A's inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import glmport
+from glmport.core.errors import ConfigError
+from glmport.core.registry import REGISTRY
+from glmport.core.selection import use_backend
+from glmport.core.specs import SPECS
+from glmport.core.tolerance import Tolerance, compare, tolerance
+from glmport.core.trace import OpCall, trace_ops
+
+from .cases import Case
+from .judges import JUDGE_OF_OP, JUDGES, Verdict
+from .model_case import _mismatch
+from .report import worst_ratio
+from .runner import Check, Record, device_for, run_check
+
+REPLAY_FORMAT = "glmport-op-call"
+REPLAY_VERSION = 1
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# Own-run errors are measured, not judged: inputs already differ there.
+MEASURE_ONLY = Tolerance(math.inf, math.inf)
+
+
+def _tuple(x: object) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+# -- one backend's forward -------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One backend's forward: its op ``calls``, each decoder layer's output
+    ``[T, hidden]`` by layer number, the discrete ``choices`` (``{0: Choices}``) and the
+    next-token ``logp`` / ``greedy`` token ``[n]`` at the ``n`` real positions."""
+
+    backend: str
+    emulate: bool
+    calls: list[OpCall]
+    layer_outputs: dict[int, torch.Tensor]
+    choices: dict
+    logp: torch.Tensor
+    greedy: torch.Tensor
+
+
+@contextmanager
+def _watched(model: nn.Module, trace, layer_outputs: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Name every op call by the module path it runs in, and keep each decoder layer's
+    output."""
+    from glmport.model.modeling import DecoderLayer
+
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        handles.append(module.register_forward_pre_hook(lambda m, a, n=name: trace.push(n)))
+
+        def post(m, args, out, n=name):
+            trace.pop()
+            layer = _layer_of(n)
+            if isinstance(m, DecoderLayer) and layer is not None:
+                layer_outputs[layer] = out.detach().float().cpu()
+
+        handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layer_of(scope: str) -> int | None:
+    """The decoder layer a module path lies in (``model.layers.2.mlp`` -> 2), or None."""
+    m = _LAYER.search(scope)
+    return int(m.group(1)) if m else None
+
+
+def _device(backend: str, emulate: bool) -> torch.device:
+    return device_for(REGISTRY.get(backend).device_type(emulate))
+
+
+def _next_token_positions(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S-1]`` bool: position ``t`` predicts a real token ``t + 1``."""
+    valid = mask.bool()
+    return valid[:, 1:] & valid[:, :-1]
+
+
+def run_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    backend: str,
+    *,
+    emulate: bool = False,
+    replay: dict | None = None,
+) -> Run:
+    """Run ``model`` on ``input_ids [B, S]`` int64 / ``attention_mask [B, S]`` with
+    ``backend`` selected, recording its op calls, layer outputs and choices (replaying
+    ``replay``'s, a :meth:`ChoiceTape.recorded` result, when given)."""
+    from glmport.model.choices import choice_tape
+
+    device = _device(backend, emulate)
+    model.to(device)
+    layer_outputs: dict[int, torch.Tensor] = {}
+    with (
+        use_backend(backend, emulate=emulate),
+        torch.no_grad(),
+        trace_ops() as trace,
+        choice_tape(model, replay=replay) as tape,
+        _watched(model, trace, layer_outputs),
+    ):
+        logits = model(input_ids.to(device), attention_mask.to(device)).logits
+    logits = logits[:, :-1][_next_token_positions(attention_mask).to(device)].double().cpu()
+    targets = input_ids[:, 1:][_next_token_positions(attention_mask)]
+    logp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+    return Run(
+        backend, emulate, trace.calls, layer_outputs, tape.recorded(), logp, logits.argmax(-1)
+    )
+
+
+# -- comparing calls -------------------------------------------------------------------
+
+
+def _keyed(calls: list[OpCall]) -> dict[tuple[str, str, int], int]:
+    """``(scope, op, occurrence) -> index``: how a call of one run finds its match in
+    the other (a replayed choice leaves out calls, so positions do not line up)."""
+    seen: Counter = Counter()
+    out = {}
+    for i, c in enumerate(calls):
+        out[(c.scope, c.op, seen[(c.scope, c.op)])] = i
+        seen[(c.scope, c.op)] += 1
+    return out
+
+
+def row_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of ``|set(a_row) & set(b_row)| / |set(a_row)|`` for integer
+    choices ``[..., k]`` (``-1`` entries ignored; rows of ``a`` with none skipped):
+    the top-k overlap of an indexer, the agreement of routed experts. 1.0 when no row
+    has a choice."""
+    a, b = a.reshape(-1, a.shape[-1]).long(), b.reshape(-1, b.shape[-1]).long()
+    valid = a >= 0
+    if not bool(valid.any()):
+        return 1.0
+    hit = ((a[:, :, None] == b[:, None, :]) & (b[:, None, :] >= 0)).any(-1) & valid
+    rows = valid.any(-1)
+    return float((hit.sum(-1)[rows].double() / valid.sum(-1)[rows]).mean())
+
+
+_CHOICE_OUTPUT = {"lightning_indexer": (0, "top-k overlap"), "moe_gate": (1, "experts")}
+
+
+def _dtype_of(call: OpCall) -> torch.dtype:
+    return SPECS[call.op].features(*call.args)["dtype"]
+
+
+def _output_error(a: tuple, b: tuple, skip: tuple[int, ...]) -> tuple[float, float]:
+    """Worst ``max|err|/max|ref|`` and ``mean`` over the floating outputs of one call
+    (``skip``: outputs compared as choices); inf for a shape or ``inf`` pattern change."""
+    worst = [0.0, 0.0]
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if i in skip:
+            continue
+        if x.is_floating_point():
+            cmp = compare(y, x, MEASURE_ONLY)
+            worst = [max(worst[0], cmp.max_rel), max(worst[1], cmp.mean_rel)]
+        elif x.shape != y.shape or not torch.equal(x, y):
+            worst = [math.inf, math.inf]
+    return worst[0], worst[1]
+
+
+@dataclass
+class CallDiff:
+    """One op call of A: where it ran, B's judgment on A's inputs (``local``), and the
+    error of B's own run's matching call (``own_max_rel`` / ``own_mean_rel``; None
+    when B's run made no such call: a replayed choice)."""
+
+    index: int
+    op: str
+    scope: str
+    layer: int | None
+    dtype: str
+    ran_on: str
+    ok: bool
+    reason: str
+    worst: float | None
+    own_max_rel: float | None
+    own_mean_rel: float | None
+    choice_agreement: float | None = None
+    own_choice_agreement: float | None = None
+    fingerprint: str = ""
+    inputs: str = ""
+
+
+def fingerprint(op: str, args: tuple) -> str:
+    """A 16-hex-digit SHA-256 of an op call's inputs: names, dtypes, shapes, bytes."""
+    h = hashlib.sha256(op.encode())
+    for name, a in zip(SPECS[op].arg_names, args, strict=False):
+        h.update(name.encode())
+        if isinstance(a, torch.Tensor):
+            t = a.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{list(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(a).encode())
+    return h.hexdigest()[:16]
+
+
+def describe_inputs(op: str, args: tuple) -> str:
+    """``"q float32[12, 4, 32], ..., topk=4"``."""
+    parts = []
+    for name, a in zip(SPECS[op].arg_names, args, strict=False):
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{name} {str(a.dtype).removeprefix('torch.')}{list(a.shape)}")
+        else:
+            parts.append(f"{name}={a!r}")
+    return ", ".join(parts)
+
+
+def _references(call: OpCall, backend: str, emulate: bool) -> tuple:
+    """What the op's judge compares against: A's outputs, or for the indexer A's full
+    ``[T, N]`` score matrix on the same inputs (its judge is tie-safe on scores)."""
+    if JUDGE_OF_OP.get(call.op) != "indexer":
+        return call.outputs
+    q, k, w, ks, ke, _, qs, kss = call.args
+    device = _device(backend, emulate)
+    with use_backend(backend, emulate=emulate), torch.no_grad():
+        scores = glmport.ops.indexer_logits(*(_on(x, device) for x in (q, k, w, ks, ke, qs, kss)))
+    return scores.double().cpu()
+
+
+def _on(x: object, device: torch.device) -> object:
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def judge_on_inputs(
+    call: OpCall, backend: str, emulate: bool, reference: str, reference_emulate: bool
+) -> tuple[Verdict, str, tuple]:
+    """Run ``call`` again on ``backend`` with the recorded inputs and judge its outputs
+    against the recorded ones (``reference``'s, the backend that made ``call``).
+    Returns the verdict, the backend whose kernel ran and the outputs (``()`` when it
+    raised: the verdict then fails with the error)."""
+    device = _device(backend, emulate)
+    try:
+        with use_backend(backend, emulate=emulate), torch.no_grad(), trace_ops() as trace:
+            outs = _tuple(getattr(glmport.ops, call.op)(*(_on(a, device) for a in call.args)))
+        outs = tuple(o.detach().cpu() for o in outs)
+        refs = _references(call, reference, reference_emulate)
+        judge = JUDGES[JUDGE_OF_OP.get(call.op, "close")]
+        verdict = judge(call.op, _dtype_of(call), call.args, outs, refs)
+        if verdict.ok and refs is not call.outputs:
+            # Judged against the reference's scores, not its choice: its own choice must
+            # pass the same judge, or a bug in its top-k (not in its scores) goes unseen.
+            own = judge(call.op, _dtype_of(call), call.args, call.outputs, refs)
+            if not own.ok:
+                verdict = Verdict(
+                    False, f"{reference}'s own choice: {own.reason}", own.metrics, own.tolerance
+                )
+        return verdict, trace.calls[-1].backend, outs
+    except Exception as err:  # a backend's crash is a divergence, not a crash of the tool
+        return Verdict(False, f"raised {type(err).__name__}: {err}"), backend, ()
+
+
+# -- the whole comparison ----------------------------------------------------------------
+
+
+@dataclass
+class DiffReport:
+    """What :func:`diff_backends` found (``to_dict`` is the ``--json`` output)."""
+
+    backends: tuple[str, str]
+    emulate: tuple[bool, bool]
+    dtype: str
+    follow: bool
+    tokens: int
+    calls: list[CallDiff]
+    layers: list[dict]
+    logits: dict[str, float]
+    first_divergence: CallDiff | None
+    first_own_divergence: CallDiff | None
+    replay_file: str | None = None
+    verdicts: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _layer_label(layer: int | None, scope: str) -> str:
+    if layer is not None:
+        return str(layer)
+    return "embed" if "embed" in scope else "final"
+
+
+def _layer_rows(calls: list[CallDiff], a: Run, b: Run, num_layers: int, follow: bool) -> list[dict]:
+    """Per layer: each op's worst errors (own run and on A's inputs), the layer
+    output's error in B's own run, and the choices' agreement."""
+    from glmport.model.choices import INDICES, ROUTING
+
+    rows = []
+    labels = list(dict.fromkeys(_layer_label(c.layer, c.scope) for c in calls))
+    for label in labels:
+        mine = [c for c in calls if _layer_label(c.layer, c.scope) == label]
+        ops = {}
+        for c in mine:
+            row = ops.setdefault(
+                c.op,
+                {
+                    "calls": 0,
+                    "ran_on": [],
+                    "own_max_rel": None,
+                    "own_mean_rel": None,
+                    "worst": None,
+                    "ok": True,
+                },
+            )
+            row["calls"] += 1
+            row["ok"] &= c.ok
+            if c.ran_on not in row["ran_on"]:
+                row["ran_on"].append(c.ran_on)
+            for key, value in (
+                ("own_max_rel", c.own_max_rel),
+                ("own_mean_rel", c.own_mean_rel),
+                ("worst", c.worst),
+            ):
+                if value is not None:
+                    row[key] = value if row[key] is None else max(row[key], value)
+            for key, value in (
+                ("choice_agreement", c.choice_agreement),
+                ("own_choice_agreement", c.own_choice_agreement),
+            ):
+                if value is not None:
+                    row[key] = min(row.get(key, 1.0), value)
+        entry: dict = {"layer": label, "ops": ops}
+        if label.isdigit():
+            n = int(label)
+            if n in a.layer_outputs and n in b.layer_outputs:
+                cmp = compare(b.layer_outputs[n], a.layer_outputs[n], MEASURE_ONLY)
+                entry["output_max_rel"], entry["output_mean_rel"] = cmp.max_rel, cmp.mean_rel
+            if not follow:
+                entry.update(_tape_agreement(a.choices, b.choices, n, INDICES, ROUTING, num_layers))
+        rows.append(entry)
+    return rows
+
+
+def _tape_agreement(ca: dict, cb: dict, layer: int, indices: str, routing: str, n: int) -> dict:
+    """Top-k overlap and expert agreement of decoder ``layer`` in the two own runs."""
+    out = {}
+    seq_a, seq_b = ca.get(0), cb.get(0)
+    if seq_a is None or seq_b is None:
+        return out
+    if seq_a.indices is not None and seq_b.indices is not None:
+        out["topk_overlap"] = row_overlap(seq_a.indices[layer], seq_b.indices[layer])
+    if seq_a.experts is not None and seq_b.experts is not None:
+        moe_layers = seq_a.experts.shape[0]
+        first_moe = n - moe_layers  # the first k layers are dense
+        if layer >= first_moe:
+            out["expert_agreement"] = row_overlap(
+                seq_a.experts[layer - first_moe], seq_b.experts[layer - first_moe]
+            )
+    return out
+
+
+def _diff_call(
+    index: int,
+    call: OpCall,
+    mate_outputs: tuple | None,
+    other: tuple[str, bool],
+    this: tuple[str, bool],
+) -> CallDiff:
+    """A's call ``index`` judged on backend ``other`` (name, emulate) with its inputs,
+    and measured against the matching call's outputs of ``other``'s own run
+    (``mate_outputs``; None when that run made no such call). ``this``: A."""
+    verdict, ran_on, outs = judge_on_inputs(call, *other, *this)
+    choice = _CHOICE_OUTPUT.get(call.op)
+    skip = () if choice is None else (choice[0],)
+    own = None if mate_outputs is None else _output_error(call.outputs, mate_outputs, skip)
+    diff = CallDiff(
+        index=index,
+        op=call.op,
+        scope=call.scope,
+        layer=_layer_of(call.scope),
+        dtype=str(_dtype_of(call)).removeprefix("torch."),
+        ran_on=ran_on,
+        ok=verdict.ok,
+        reason=verdict.reason,
+        worst=worst_ratio(verdict.metrics, verdict.tolerance),
+        own_max_rel=None if own is None else own[0],
+        own_mean_rel=None if own is None else own[1],
+    )
+    if choice is not None:
+        if outs:
+            diff.choice_agreement = row_overlap(call.outputs[choice[0]], outs[choice[0]])
+        if mate_outputs is not None:
+            diff.own_choice_agreement = row_overlap(
+                call.outputs[choice[0]], mate_outputs[choice[0]]
+            )
+    if not diff.ok:
+        diff.fingerprint = fingerprint(call.op, call.args)
+        diff.inputs = describe_inputs(call.op, call.args)
+    return diff
+
+
+def diff_backends(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    backends: tuple[str, str],
+    emulate: tuple[bool, bool] = (False, False),
+    follow: bool = False,
+    replay_dir: str | Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> DiffReport:
+    """Compare ``backends = (A, B)`` on ``model`` (a :class:`GlmMoeDsaForCausalLM`,
+    its weights as they are) for ``input_ids [B, S]`` int64; ``follow``: B replays A's
+    discrete choices. The first diverging call's inputs are saved in ``replay_dir``
+    (when given); ``progress`` gets one line per stage."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    (name_a, name_b), (em_a, em_b) = backends, emulate
+    progress(f"running the model on {name_a}")
+    a = run_forward(model, input_ids, attention_mask, name_a, emulate=em_a)
+    progress(
+        f"running the model on {name_b}" + (f", replaying {name_a}'s choices" if follow else "")
+    )
+    b = run_forward(
+        model, input_ids, attention_mask, name_b, emulate=em_b, replay=a.choices if follow else None
+    )
+    progress(f"judging {len(a.calls)} op calls of {name_a} on {name_b} with the same inputs")
+    b_index = _keyed(b.calls)
+    calls = []
+    for i, (key, call) in enumerate(zip(_keyed(a.calls), a.calls, strict=True)):
+        mate = b_index.get(key)
+        mate_outputs = None if mate is None else b.calls[mate].outputs
+        calls.append(_diff_call(i, call, mate_outputs, (name_b, em_b), (name_a, em_a)))
+    first = next((c for c in calls if not c.ok), None)
+    first_own = next(
+        (
+            c
+            for c in calls
+            if c.own_max_rel is not None
+            and c.own_max_rel > tolerance(c.op, getattr(torch, c.dtype)).max_rel
+        ),
+        None,
+    )
+    logits = {
+        **_mismatch(b.logp - a.logp),
+        "greedy_agreement": float((a.greedy == b.greedy).double().mean()),
+    }
+    report = DiffReport(
+        backends=(name_a, name_b),
+        emulate=(em_a, em_b),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        follow=follow,
+        tokens=int(a.logp.numel()),
+        calls=calls,
+        layers=_layer_rows(calls, a, b, model.config.num_hidden_layers, follow),
+        logits=logits,
+        first_divergence=first,
+        first_own_divergence=first_own,
+    )
+    if first is not None:
+        call = a.calls[first.index]
+        progress(f"judging call #{first.index} ({call.op}) on each backend against float64")
+        records = judge_against_reference(call, backends, emulate)
+        report.verdicts = [
+            record_summary(name, r) for name, r in zip(backends, records, strict=True)
+        ]
+        if replay_dir is not None:
+            path = Path(replay_dir) / f"call-{call.op}-{first.fingerprint}.pt"
+            report.replay_file = str(write_replay(call, path, backends, emulate, first))
+    return report
+
+
+# -- one call, on its own ----------------------------------------------------------------
+
+
+def _case(call: OpCall) -> Case:
+    """A conformance case whose inputs are ``call``'s (copied at every build)."""
+    args = call.args
+    return Case(
+        call.op,
+        f"call-{fingerprint(call.op, args)}",
+        "diff",
+        _dtype_of(call),
+        build=lambda _gen: tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
+        params=tuple(
+            (n, list(a.shape))
+            for n, a in zip(SPECS[call.op].arg_names, args, strict=False)
+            if isinstance(a, torch.Tensor)
+        ),
+        judge=JUDGE_OF_OP.get(call.op, "close"),
+    )
+
+
+def judge_against_reference(
+    call: OpCall, backends: tuple[str, ...], emulate: tuple[bool, ...]
+) -> list[Record]:
+    """Each backend's value check of ``call``'s inputs against the float64 reference:
+    the conformance suite's judgment of that one call (which of the two is off)."""
+    case = _case(call)
+    return [
+        run_check(Check("value", case), name, emulate=em)
+        for name, em in zip(backends, emulate, strict=True)
+    ]
+
+
+def record_summary(backend: str, rec: Record) -> dict:
+    """The part of a value check's record a diff reports."""
+    return {
+        "backend": backend,
+        "ran_on": rec.ran_on,
+        "outcome": rec.outcome,
+        "reason": rec.reason,
+        "worst": worst_ratio(rec.metrics, rec.tolerance),
+    }
+
+
+def write_replay(
+    call: OpCall,
+    path: str | Path,
+    backends: tuple[str, str],
+    emulate: tuple[bool, bool],
+    diff: CallDiff,
+) -> Path:
+    """Save ``call``'s inputs (``torch.save``; loads with ``weights_only=True``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "format": REPLAY_FORMAT,
+            "version": REPLAY_VERSION,
+            "op": call.op,
+            "args": list(call.args),
+            "backends": list(backends),
+            "emulate": list(emulate),
+            "scope": call.scope,
+            "layer": diff.layer,
+            "index": diff.index,
+            "fingerprint": diff.fingerprint,
+            "reason": diff.reason,
+        },
+        path,
+    )
+    return path
+
+
+def read_replay(path: str | Path) -> dict:
+    """A replay file written by :func:`write_replay`, checked."""
+    try:
+        data = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception:  # torch.load's errors on a foreign file say nothing to a user
+        raise ConfigError(
+            f"{path} is not a glmport op-call replay file (torch.load cannot read it)"
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != REPLAY_FORMAT:
+        raise ConfigError(f"{path} is not a glmport op-call replay file")
+    if data.get("version") != REPLAY_VERSION:
+        raise ConfigError(
+            f"{path} is a replay file of version {data.get('version')}; this glmport reads "
+            f"version {REPLAY_VERSION}"
+        )
+    if data.get("op") not in SPECS:
+        raise ConfigError(f"{path} names an unknown op {data.get('op')!r}")
+    SPECS[data["op"]].validate(tuple(data["args"]), values=True)
+    return data
+
+
+def replay_call(
+    path: str | Path,
+    backends: tuple[str, ...] | None = None,
+    emulate: tuple[bool, ...] | None = None,
+) -> tuple[dict, list[Record], Verdict | None]:
+    """Judge the call saved in ``path`` on each of ``backends`` (default: the two the
+    diff compared) against the float64 reference, and the second against the first on
+    the same inputs. Returns the file's contents, the records and that verdict."""
+    data = read_replay(path)
+    names = tuple(backends or data["backends"])
+    flags = tuple(emulate or (data["emulate"] if backends is None else [False] * len(names)))
+    for name in names:  # the file's own backends may be plug-ins this process lacks
+        REGISTRY.get(name, "--backends" if backends else f"the replay file {path}")
+    call = OpCall(data["op"], names[0], data["scope"], tuple(data["args"]), ())
+    records = judge_against_reference(call, names, flags)
+    pair = None
+    if len(names) >= 2:
+        with use_backend(names[0], emulate=flags[0]), torch.no_grad():
+            device = _device(names[0], flags[0])
+            outs = _tuple(getattr(glmport.ops, call.op)(*(_on(a, device) for a in call.args)))
+        call = OpCall(call.op, names[0], call.scope, call.args, tuple(o.cpu() for o in outs))
+        pair = judge_on_inputs(call, names[1], flags[1], names[0], flags[0])[0]
+    return data, records, pair
+
+
+# -- text ---------------------------------------------------------------------------------
+
+
+def _num(x: float | None, fmt: str = ".2e") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_report(report: DiffReport) -> str:
+    """The terminal report: the first divergence, the per-layer table, the logits."""
+    a, b = report.backends
+    follow = f", {b} replays {a}'s top-k and experts" if report.follow else ""
+    lines = [
+        f"glmport diff: {a} vs {b}, {report.dtype}, {report.tokens} next tokens{follow}",
+        "",
+    ]
+    first = report.first_divergence
+    if first is None:
+        lines.append(
+            f"no divergence: every op call of {a}, run on {b} with the same inputs, is within "
+            "the conformance tolerance of its op and dtype"
+        )
+    else:
+        where = (
+            f"layer {first.layer}" if first.layer is not None else first.scope or "outside layers"
+        )
+        lines += [
+            f"FIRST DIVERGENCE: op call #{first.index} {first.op} ({first.dtype}) in {where} "
+            f"[{first.scope}]",
+            f"  {b} (ran on {first.ran_on}) on {a}'s inputs: {first.reason}",
+            f"  inputs: {first.inputs}",
+            f"  fingerprint: {first.fingerprint}",
+        ]
+        for v in report.verdicts:
+            lines.append(
+                f"  against the float64 reference: {v['backend']} (ran on {v['ran_on']}) "
+                f"{v['outcome'].upper()}" + (f": {v['reason']}" if v["reason"] else "")
+            )
+        if report.replay_file:
+            lines.append(f"  replay: glmport diff --replay {report.replay_file} --backends {a},{b}")
+    own = report.first_own_divergence
+    if own is not None:
+        lines.append(
+            f"first call of {b}'s own run beyond its op's tolerance: #{own.index} {own.op} in "
+            f"layer {own.layer if own.layer is not None else own.scope}"
+        )
+    lines += [
+        "",
+        f"{'':<41}{b + ' own run vs ' + a:^21} {'on ' + a + ' inputs':>14}",
+        f"{'layer':<6} {'op':<18} {'calls':>5} {'ran on':<8} {'max rel':>10} {'mean rel':>10} "
+        f"{'err/tol':>14}  choices (own run / on {a}'s inputs)",
+    ]
+    for row in report.layers:
+        for op, r in row["ops"].items():
+            choice = ""
+            if "choice_agreement" in r or "own_choice_agreement" in r:
+                name = "top-k overlap" if op == "lightning_indexer" else "experts agree"
+                choice = (
+                    f"{name} {_num(r.get('own_choice_agreement'), '.3f')} / "
+                    f"{_num(r.get('choice_agreement'), '.3f')}"
+                )
+            flag = "" if r["ok"] else "  <-- diverges"
+            lines.append(
+                f"{row['layer']:<6} {op:<18} {r['calls']:>5} {','.join(r['ran_on']):<8} "
+                f"{_num(r['own_max_rel']):>10} {_num(r['own_mean_rel']):>10} "
+                f"{_num(r['worst'], '.3g'):>14}  {choice}{flag}"
+            )
+        if "output_max_rel" in row:
+            extra = "".join(
+                f"  {label} {row[key]:.3f}"
+                for key, label in (
+                    ("topk_overlap", "top-k overlap"),
+                    ("expert_agreement", "experts agree"),
+                )
+                if key in row
+            )
+            lines.append(
+                f"{row['layer']:<6} {'(layer output)':<18} {'':>5} {'':<8} "
+                f"{_num(row['output_max_rel']):>10} {_num(row['output_mean_rel']):>10} "
+                f"{'':>14}{extra}"
+            )
+    g = report.logits
+    lines += [
+        "",
+        f"logits: mean |delta logp| {g['mean_abs_dlogp']:.3g}, max {g['max_abs_dlogp']:.3g}, "
+        f"IcePop pop fraction (beta 2) {g['icepop_pop_fraction']:.3g}, greedy agreement "
+        f"{g['greedy_agreement']:.3f} over {report.tokens} tokens",
+    ]
+    return "\n".join(lines)
