@@ -2,6 +2,9 @@
 
 Cases as data (``cases``, ``badinput``), judges against the float64 reference
 (``judges``), the runner (``runner``; expert parallelism in ``ep_case``, the tiny
-model in ``model_case``), reports (``report``) and the pytest module (``suite``),
-driven by the ``pytest_glmport`` plug-in and ``glmport conformance``.
+model in ``model_case``), reports (``report``; the HTML page in ``html``) and the
+pytest module (``suite``), driven by the ``pytest_glmport`` plug-in and ``glmport
+conformance``. The portability tools judge with the same judges: ``diff`` (``glmport
+diff``: where two backends part ways on a model) and ``matrix`` (``glmport conformance
+--matrix``: every backend pair's model-level mismatch).
 """

@@ -50,7 +50,7 @@ from glmport.core.trace import OpCall, trace_ops
 
 from .cases import Case
 from .judges import JUDGE_OF_OP, JUDGES, Verdict
-from .model_case import _mismatch
+from .model_case import pair_metrics
 from .report import worst_ratio
 from .runner import Check, Record, device_for, run_check
 
@@ -482,10 +482,7 @@ def diff_backends(
         ),
         None,
     )
-    logits = {
-        **_mismatch(b.logp - a.logp),
-        "greedy_agreement": float((a.greedy == b.greedy).double().mean()),
-    }
+    logits = pair_metrics(a.logp, b.logp, a.greedy, b.greedy)
     report = DiffReport(
         backends=(name_a, name_b),
         emulate=(em_a, em_b),

@@ -94,9 +94,10 @@ def _model(dtype: torch.dtype, experts: str, dense: str):
     return model
 
 
-def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[len(TEMPERATURES), n]`` fp32 CPU log-probabilities of the ``n`` real next
-    tokens of ``ids`` ``[B, S]`` under ``mask`` ``[B, S]``, one row per temperature."""
+def _outputs(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over the ``n`` real next tokens of ``ids`` ``[B, S]`` under ``mask`` ``[B, S]``:
+    their fp32 CPU log-probabilities ``[len(TEMPERATURES), n]`` (one row per
+    temperature) and the greedy tokens ``[n]`` int64 (argmax of the model's logits)."""
     with torch.no_grad():
         out = model(ids, mask)
         valid = mask.bool()
@@ -105,16 +106,22 @@ def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         targets = ids[:, 1:][targets_mask]
         head = model.lm_head.weight.to(hidden.dtype)
         rows = [glmport.ops.token_logprobs(hidden, head, targets, t)[0] for t in TEMPERATURES]
-    return torch.stack(rows).float().cpu()
+        greedy = out.logits[:, :-1][targets_mask].argmax(dim=-1)
+    return torch.stack(rows).float().cpu(), greedy.cpu()
 
 
-def _runner_logprobs(
+def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities of :func:`_outputs`, ``[len(TEMPERATURES), n]`` fp32."""
+    return _outputs(model, ids, mask)[0]
+
+
+def _runner_outputs(
     runner: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """:func:`_logprobs` through a backend's whole-model runner (``input_ids [1, S] ->
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_outputs` through a backend's whole-model runner (``input_ids [1, S] ->
     logits [1, S, V]``, see ``Backend.model_runner``): each sequence alone, unpadded;
     log-softmax of the logits over the temperatures in fp32 on the CPU."""
-    rows = []
+    rows, greedy = [], []
     for seq, valid in zip(ids, mask.bool(), strict=True):
         tokens = seq[valid]
         logits = runner(tokens[None]).float().cpu()[0, :-1]
@@ -127,7 +134,27 @@ def _runner_logprobs(
                 ]
             )
         )
-    return torch.cat(rows, dim=1)
+        greedy.append(logits.argmax(dim=-1))
+    return torch.cat(rows, dim=1), torch.cat(greedy)
+
+
+def backend_outputs(
+    model, backend: str, ids: torch.Tensor, mask: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_outputs` of ``model`` run on ``backend`` (emulated or not as the caller
+    selected), inputs on ``device``: eagerly on its kernels after ``prepare_weights``
+    (its own layout of the same weights; this changes ``model``), or through its
+    ``model_runner``. Log-probs ``[len(TEMPERATURES), n]`` fp32, greedy ``[n]`` int64."""
+    from glmport.model.quantize import prepare_weights
+
+    model = model.to(device=device)
+    ids, mask = ids.to(device), mask.to(device)
+    with use_backend(backend):
+        runner = REGISTRY.get(backend).model_runner(model)
+        if runner is None:
+            prepare_weights(model)
+            return _outputs(model, ids, mask)
+        return _runner_outputs(runner, ids, mask)
 
 
 def _mismatch(delta: torch.Tensor) -> dict[str, float]:
@@ -138,6 +165,18 @@ def _mismatch(delta: torch.Tensor) -> dict[str, float]:
         "max_abs_dlogp": float(delta.abs().max()),
         "mean_abs_dlogp": float(delta.abs().mean()),
         "icepop_pop_fraction": float(popped),
+    }
+
+
+def pair_metrics(
+    logp_a: torch.Tensor, logp_b: torch.Tensor, greedy_a: torch.Tensor, greedy_b: torch.Tensor
+) -> dict[str, float]:
+    """Mean / max ``|logp_b - logp_a|``, the IcePop pop fraction at ``beta = 2`` and
+    the greedy agreement (fraction of equal tokens) of two backends' log-probs ``[n]``
+    fp32 and greedy tokens ``[n]`` int64 over the same ``n`` positions."""
+    return {
+        **_mismatch(logp_b - logp_a),
+        "greedy_agreement": float((greedy_a == greedy_b).double().mean()),
     }
 
 
@@ -154,8 +193,6 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
     """Judge ``backend`` (inputs on ``device``) on every variant and temperature in
     ``dtype``. Metrics and tolerances are keyed ``"<variant> T=<t>: <metric>"``; the
     plain metric names hold the float variant's worst over the temperatures."""
-    from glmport.model.quantize import prepare_weights
-
     ids, mask = _inputs()
     headline: dict[str, float] = {}  # the float variant's worst, under the plain names
     metrics: dict[str, float] = {}
@@ -169,15 +206,8 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
         # The same weights in the same precision: only the backend differs.
         with use_backend(REGISTRY.reference()):
             ref = _logprobs(model, ids, mask)
-        model = model.to(device=device)
         try:
-            with use_backend(backend):
-                runner = REGISTRY.get(backend).model_runner(model)
-                if runner is None:
-                    prepare_weights(model)  # the backend's own layout of the same weights
-                    got = _logprobs(model, ids.to(device), mask.to(device))
-                else:
-                    got = _runner_logprobs(runner, ids.to(device), mask.to(device))
+            got = backend_outputs(model, backend, ids, mask, device)[0]
         except UnsupportedError as err:
             if not quantised:  # the float variant is the check's headline: none without it
                 raise

@@ -270,10 +270,14 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_reports(report: dict, directory: str | Path) -> tuple[Path, Path]:
+def write_reports(report: dict, directory: str | Path) -> tuple[Path, Path, Path]:
+    """Write ``conformance.json``, ``conformance.md`` and ``conformance.html`` (which
+    also shows a mismatch matrix left in ``directory`` by ``--matrix``)."""
+    from .html import write_html
+
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "conformance.json", out / "conformance.md"
     json_path.write_text(json.dumps(report, indent=2, default=str))
     md_path.write_text(markdown(report))
-    return json_path, md_path
+    return json_path, md_path, write_html(out)

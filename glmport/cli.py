@@ -229,6 +229,29 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _conformance_matrix(args: argparse.Namespace) -> int:
+    """``glmport conformance --matrix``: the mismatch matrix instead of the suite."""
+    from glmport.conformance.html import write_html
+    from glmport.conformance.matrix import markdown, mismatch_matrix, parse_dtypes, write_matrix
+
+    suite_only = [f for f, v in (("--backend", args.backend), ("--ops", args.ops)) if v]
+    suite_only += [f for f, v in (("--full", args.full), ("--emulate", args.emulate)) if v]
+    if suite_only:
+        raise ConfigError(
+            f"{', '.join(suite_only)}: not with --matrix (it runs every backend in --backends, "
+            "emulated where that is the only way it runs here)"
+        )
+    names = args.backends.split(",") if args.backends is not None else None
+    dtypes = parse_dtypes(args.dtypes if args.dtypes is not None else "fp32,bf16")
+    result = mismatch_matrix(names, dtypes, lambda line: print(line, file=sys.stderr, flush=True))
+    paths = [*write_matrix(result, args.report_dir), write_html(args.report_dir)]
+    if result["heatmap"]["file"] is None:
+        print(f"glmport: warning: no heatmap: {result['heatmap']['why']}", file=sys.stderr)
+    print(markdown(result))
+    print("reports: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     import pytest
 
@@ -240,6 +263,11 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     # registers them again in every pytest-xdist worker.
     plugins = [register_backend_target(t) for t in args.plugin]
     _check_environment()
+    if args.matrix:
+        return _conformance_matrix(args)
+    for flag, value in (("--backends", args.backends), ("--dtypes", args.dtypes)):
+        if value is not None:
+            raise ConfigError(f"{flag} goes with --matrix (the suite judges one --backend)")
     default = plugins[0] if plugins else environment.read("GLMPORT_BACKEND")
     backend = args.backend or default
     if backend != "auto":
@@ -767,11 +795,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     conf = sub.add_parser(
         "conformance",
-        help="judge a backend against the float64 reference; writes conformance.json/.md",
+        help="judge a backend against the float64 reference; writes conformance.json/.md/.html",
         description="Run the shared conformance suite on a backend (quick mode by default) "
-        "and write conformance.json and conformance.md. Exit 0 only if every check "
-        "passed, was unsupported by the backend's manifest, or was skipped, and at "
-        "least one passed.",
+        "and write conformance.json, conformance.md and conformance.html. Exit 0 only if "
+        "every check passed, was unsupported by the backend's manifest, or was skipped, "
+        "and at least one passed. With --matrix: instead of the suite, the model-level "
+        "mismatch of every pair of backends (matrix.json/.md/.png, and the HTML page).",
     )
     conf.add_argument(
         "--backend",
@@ -799,6 +828,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="pytest-xdist workers: auto, logical or a number (0: none)",
     )
     conf.add_argument("--report-dir", default="conformance-report")
+    conf.add_argument(
+        "--matrix",
+        action="store_true",
+        help="instead of the suite: the tiny GLM-5's mismatch between every pair of backends "
+        "(matrix.json/.md/.png and conformance.html in --report-dir)",
+    )
+    conf.add_argument(
+        "--backends",
+        default=None,
+        metavar="A,B,...",
+        help="with --matrix: the backends to compare, the reference always among them "
+        "(default: every one that runs here, natively or else emulated)",
+    )
+    conf.add_argument(
+        "--dtypes", default=None, metavar="fp32,bf16", help="with --matrix (default: fp32,bf16)"
+    )
     conf.set_defaults(func=_cmd_conformance)
 
     dif = sub.add_parser(

@@ -183,4 +183,4 @@ class _Collector:
                 "implement the ops checked, and can it run here? (see the skip reasons)",
                 red=True,
             )
-        tr.write_line(f"reports: {self.paths[0]} and {self.paths[1]}")
+        tr.write_line(f"reports: {', '.join(str(p) for p in self.paths)}")

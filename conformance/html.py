@@ -1,0 +1,240 @@
+"""``conformance.html``: one self-contained page (inline CSS, the heatmap embedded as
+a data URI, no external link) of whatever a report folder holds: the suite's report
+(``conformance.json``: the verdict, the environment, an op x dtype table coloured by
+outcome, own kernels and fallbacks apart, and the checks not passed) and the mismatch
+matrix (``matrix.json`` and ``matrix.png``)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from glmport.core.errors import ConfigError
+
+from .matrix import NO_PAIR, _cell_text, _sci, grid
+from .matrix import SCHEMA_VERSION as MATRIX_SCHEMA
+from .report import _NOT_STACK, _shapes, _worst_text, verdict_line, worst_ratio
+from .report import SCHEMA_VERSION as REPORT_SCHEMA
+from .runner import OUTCOMES
+
+# Most telling first: a cell shows the worst outcome among its checks.
+_SEVERITY = ("error", "fail", "pass", "skipped", "unsupported")
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #bbb; padding: 0.25em 0.5em; vertical-align: top; }
+th { background: #eee; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.pass { background: #c9efc9; }
+.fail { background: #f4a6a6; }
+.error { background: #8b1a1a; color: #fff; }
+.unsupported { background: #ddd; }
+.skipped { background: #ffd98a; }
+.na { background: #d9d9d9; }
+.verdict { font-weight: bold; padding: 0.5em; border-left: 0.4em solid; }
+.verdict.ok { border-color: #2e7d32; background: #eef8ee; }
+.verdict.bad { border-color: #b71c1c; background: #fdeeee; }
+.legend span { padding: 0.1em 0.5em; margin-right: 0.3em; }
+small { color: #555; }
+img { max-width: 100%; }
+"""
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value))
+
+
+def _load(path: Path, schema: int) -> dict | None:
+    """The JSON object in ``path`` (written with ``schema_version`` ``schema``), None
+    when there is no such file."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from None
+    found = data.get("schema_version") if isinstance(data, dict) else None
+    if found != schema:  # another version's keys: rendering would fail or mislead
+        raise ConfigError(
+            f"{path} has schema_version {found!r}; this glmport writes and reads {schema}: "
+            "run the command again to replace it"
+        )
+    return data
+
+
+def _table(header: list[str], rows: list[str]) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _outcome(row: dict) -> str:
+    return next(o for o in _SEVERITY if row[o])
+
+
+def _verdict_table(rows: list[dict]) -> str:
+    """Rows (op, ran on) x columns dtype[/scheme]; each cell coloured by its worst
+    outcome, with the counts and the worst err/tol."""
+    dtypes = sorted({r["dtype"] for r in rows})
+    cells = {(r["op"], r["ran_on"], r["dtype"]): r for r in rows}
+    lines = []
+    for op, ran_on in sorted({(r["op"], r["ran_on"]) for r in rows}):
+        tds = []
+        for dt in dtypes:
+            r = cells.get((op, ran_on, dt))
+            if r is None:
+                tds.append("<td></td>")
+                continue
+            counts = ", ".join(f"{r[o]} {o}" for o in OUTCOMES if r[o])
+            worst = _worst_text(r["worst"])
+            tds.append(
+                f'<td class="{_outcome(r)}">{_e(counts)}<br><small>worst {_e(worst)}</small></td>'
+            )
+        lines.append(f"<tr><th>{_e(op)}</th><td>{_e(ran_on)}</td>{''.join(tds)}</tr>")
+    return _table(["op", "ran on", *dtypes], lines)
+
+
+def _problems(cases: list[dict]) -> str:
+    rows = [
+        f'<tr><td><code>{_e(c["id"])}</code></td><td class="{_e(c["outcome"])}">'
+        f"{_e(c['outcome'])}</td><td>{_e(c['ran_on'])}</td><td>{_e(_shapes(c['params']))}</td>"
+        f'<td class="num">{_e(_worst_text(worst_ratio(c["metrics"], c["tolerance"])))}</td>'
+        f"<td>{_e(c['reason'])}</td></tr>"
+        for c in cases
+    ]
+    return _table(["check", "outcome", "ran on", "shapes", "worst err/tol", "reason"], rows)
+
+
+def _suite_section(report: dict) -> str:
+    env, name = report["environment"], report["backend"]
+    ok = report["verdict"]["run_ok"]
+    stack = ", ".join(f"{k} {v or '-'}" for k, v in env.items() if k not in _NOT_STACK)
+    legend = "".join(f'<span class="{o}">{o}</span>' for o in OUTCOMES)
+    parts = [
+        f"<h2>Conformance suite: <code>{_e(name)}</code></h2>",
+        f'<p class="verdict {"ok" if ok else "bad"}">{_e(verdict_line(report))}</p>',
+        "<ul>",
+        f"<li>device: {_e(env['device'])} ({_e(env['device_name'])}); "
+        f"emulated: {_e(report['emulate'])}; mode: {_e(report['mode'])}</li>",
+        f"<li>glmport {_e(env['glmport'])}, torch {_e(env['torch'])}, python "
+        f"{_e(env['python'])}{', ' + _e(stack) if stack else ''}</li>",
+        f"<li>backend implements: {_e(', '.join(report['manifest']['ops']) or 'no op')}; "
+        f"falls back to: {_e(' -> '.join(report['manifest']['fallback']) or '-')}</li>",
+        "</ul>",
+        f'<p class="legend">Cells: counts per outcome and the worst error / tolerance '
+        f"(1.0 = at the limit), coloured by the worst outcome: {legend}</p>",
+    ]
+    own = [r for r in report["table"] if r["own"]]
+    parts.append(f"<h3>Its own kernels: {report['summary']['total']} checks ran on {_e(name)}</h3>")
+    parts.append(_verdict_table(own) if own else f"<p>None: {_e(report['verdict']['why'])}.</p>")
+    fallback = [r for r in report["table"] if not r["own"]]
+    if fallback:
+        fb = report["fallback_summary"]
+        parts += [
+            f"<h3>On fallbacks: {fb['total']} checks ran on {_e(', '.join(fb['backends']))}</h3>",
+            f"<p>These judge the fallback backends, not {_e(name)}; a failure here is the "
+            "fallback's bug, and it still fails the run.</p>",
+            _verdict_table(fallback),
+        ]
+    problems = [c for c in report["cases"] if c["outcome"] != "pass"]
+    for title, mine in (("its own kernels", True), ("on fallbacks", False)):
+        shown = [c for c in problems if c["own"] is mine]
+        if shown:
+            parts += [f"<h3>Not passed: {title}</h3>", _problems(shown)]
+    return "\n".join(parts)
+
+
+def _grid_table(result: dict, dtype: str) -> str:
+    names, cells = grid(result, dtype)
+    rows = []
+    for a, row in zip(names, cells, strict=True):
+        tds = "".join(
+            f'<td class="{"na" if p == NO_PAIR else "num"}">'
+            f"{_e(p if isinstance(p, str) else _cell_text(p, ' / '))}</td>"
+            for p in row
+        )
+        rows.append(f"<tr><th>{_e(a)}</th>{tds}</tr>")
+    return _table(["", *names], rows)
+
+
+def _heatmap(directory: Path, result: dict) -> str:
+    heatmap = result.get("heatmap") or {}
+    png = directory / "matrix.png"
+    if heatmap.get("file") and png.exists():
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        return f'<img alt="mismatch matrix heatmap" src="data:image/png;base64,{data}">'
+    why = heatmap.get("why") or f"{png.name} is missing"
+    return f"<p>No heatmap: {_e(why)}.</p>"
+
+
+def _matrix_section(directory: Path, result: dict) -> str:
+    env = result["environment"]
+    parts = [
+        "<h2>Mismatch matrix</h2>",
+        f"<p>Tiny GLM-5, float weights, {_e(result['tokens'])} next tokens of a fixed prompt "
+        f"set, temperature 1. Cells: mean |&Delta; logp| / greedy-token agreement; IcePop "
+        f"beta {result['icepop_beta']:g}. glmport {_e(env['glmport'])}, torch "
+        f"{_e(env['torch'])}; {_e(env['host'])}.</p>",
+        _heatmap(directory, result),
+    ]
+    for dtype in result["dtypes"]:
+        parts += [f"<h3>{_e(dtype)}</h3>", _grid_table(result, dtype)]
+    pair_rows = [
+        f"<tr><td>{_e(p['dtype'])}</td><td>{_e(p['a'])}</td><td>{_e(p['b'])}</td>"
+        f'<td class="num">{_e(_sci(p["mean_abs_dlogp"]))}</td>'
+        f'<td class="num">{_e(_sci(p["max_abs_dlogp"]))}</td>'
+        f'<td class="num">{p["icepop_pop_fraction"]:.1%}</td>'
+        f'<td class="num">{p["greedy_agreement"]:.1%}</td></tr>'
+        for p in result["pairs"]
+    ]
+    header = ["dtype", "a", "b", "mean |Δ logp|", "max |Δ logp|", "IcePop pop", "greedy agree"]
+    parts += ["<h3>Pairs</h3>", _table(header, pair_rows)]
+    backend_rows = []
+    for b in result["backends"]:
+        runs = [b["runs"][d] for d in result["dtypes"]]
+        errors = "; ".join(
+            f"{d}: {r['error']}" for d, r in zip(result["dtypes"], runs, strict=True) if r["error"]
+        )
+        backend_rows.append(
+            f"<tr><td>{_e(b['name'])}</td><td>{'yes' if b['emulated'] else 'no'}</td>"
+            f"<td>{_e(b['device'])}</td>"
+            + "".join(f'<td class="num">{r["seconds"]:.1f}</td>' for r in runs)
+            + f'<td class="{"error" if errors else ""}">{_e(errors or "-")}</td></tr>'
+        )
+    header = ["backend", "emulated", "device", *(f"{d} s" for d in result["dtypes"]), "errors"]
+    parts += ["<h3>Backends</h3>", _table(header, backend_rows)]
+    if any(r["error"] for b in result["backends"] for r in b["runs"].values()):
+        parts.append("<p>A backend that raised on the model is left out of that dtype's pairs.</p>")
+    if result["unavailable"]:
+        items = "".join(
+            f"<li>{_e(u['name'])}: {_e(u['reason'])}</li>" for u in result["unavailable"]
+        )
+        parts.append(f"<p>Not available here:</p><ul>{items}</ul>")
+    return "\n".join(parts)
+
+
+def write_html(directory: str | Path) -> Path:
+    """Write ``conformance.html`` into ``directory`` from the ``conformance.json`` and
+    ``matrix.json`` / ``matrix.png`` there (either may be missing; ConfigError when
+    neither JSON file is there, or one cannot be read). Returns its path."""
+    out = Path(directory)
+    report = _load(out / "conformance.json", REPORT_SCHEMA)
+    matrix = _load(out / "matrix.json", MATRIX_SCHEMA)
+    if report is None and matrix is None:
+        raise ConfigError(f"{out}: no conformance.json and no matrix.json to make a report of")
+    title = f"glmport conformance: {report['backend']}" if report else "glmport mismatch matrix"
+    body = [f"<h1>{_e(title)}</h1>"]
+    if report is not None:
+        body.append(_suite_section(report))
+    if matrix is not None:
+        body.append(_matrix_section(out, matrix))
+    page = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
+    path = out / "conformance.html"
+    path.write_text(page, encoding="utf-8")
+    return path
