@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,303 @@ def _check_float(name: str, value: object, above: float | None) -> None:
         raise ConfigError(f"config field {name} must be >= 0, got {value}")
 
 
+# -- how glmport treats each config key -----------------------------------------------
+
+HONOURED = "honoured"  # a typed field of GlmMoeDsaConfig the computation uses
+BOOKKEEPING = "bookkeeping"  # changes no computation; kept in ``extra``, written back
+REFUSED = "refused"  # not implemented: any value glmport cannot run is a ConfigError
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """How glmport treats one ``config.json`` key. ``runs(value, fields)`` says, for a
+    REFUSED key, whether glmport computes what transformers does with that value
+    (``fields``: every key of the config, typed fields included)."""
+
+    kind: str
+    reason: str
+    runs: Callable[[object, dict], bool] | None = None
+
+
+def _equals(default: object) -> Callable[[object, dict], bool]:
+    return lambda value, fields: value == default
+
+
+def _all_indexed_attention(value: object, fields: dict) -> bool:
+    return isinstance(value, list) and all(v == "indexed_attention" for v in value)
+
+
+def _kv_heads_match(value: object, fields: dict) -> bool:
+    return value == fields["num_attention_heads"]
+
+
+_ROUTER = "transformers' router is fixed (sigmoid scores, noaux_tc group-limited top-k)"
+_INDEXCACHE = (
+    "IndexCache's shared-indexer layers (a layer reusing an earlier layer's top-k) are not "
+    "implemented yet: every layer must run its own indexer ('full')"
+)
+
+
+def indexer_types_of(fields: dict) -> list[str]:
+    """Each decoder layer's indexer mode, ``"full"`` or ``"shared"``, derived as
+    transformers' GlmMoeDsaConfig does: ``indexer_types``, else ``index_topk_pattern``
+    (``"FSSF..."`` or a list), else layer ``i`` is full when
+    ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 2, 1)."""
+    if fields.get("indexer_types") is not None:
+        return list(fields["indexer_types"])
+    pattern = fields.get("index_topk_pattern")
+    if pattern is not None:
+        return (
+            [{"F": "full", "S": "shared"}[c] for c in pattern]
+            if isinstance(pattern, str)
+            else list(pattern)
+        )
+    freq = max(fields.get("index_topk_freq", 1), 1)
+    offset = fields.get("index_skip_topk_offset", 2)
+    return [
+        "full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+        for i in range(fields["num_hidden_layers"])
+    ]
+
+
+def _every_indexer_full(value: object, fields: dict) -> bool:
+    if fields.get("model_type") == DEEPSEEK_V32:  # transformers' DeepSeek-V3.2 reads none
+        return True
+    try:
+        return all(t == "full" for t in indexer_types_of(fields))
+    except (KeyError, TypeError, ValueError):  # malformed: not something glmport runs
+        return False
+
+
+# Every field of transformers' GlmMoeDsaConfig and DeepseekV32Config, the generic
+# PreTrainedConfig ones they serialise, and the keys real GLM-5 / DeepSeek-V3.2
+# checkpoints carry that transformers does not read. A key in none of these lands in
+# ``extra`` and is written back; transformers' models do not read it either.
+FIELD_RULES: dict[str, FieldRule] = {
+    # architecture: typed fields, all honoured
+    "model_type": FieldRule(HONOURED, "glm_moe_dsa or deepseek_v32 (indexer RoPE layout)"),
+    "vocab_size": FieldRule(HONOURED, "embedding and LM head rows"),
+    "hidden_size": FieldRule(HONOURED, "model width"),
+    "intermediate_size": FieldRule(HONOURED, "dense MLP width"),
+    "moe_intermediate_size": FieldRule(HONOURED, "expert and shared-expert width"),
+    "num_hidden_layers": FieldRule(HONOURED, "decoder layers"),
+    "num_attention_heads": FieldRule(HONOURED, "MLA query heads"),
+    "q_lora_rank": FieldRule(HONOURED, "query latent width"),
+    "kv_lora_rank": FieldRule(HONOURED, "key/value latent width"),
+    "qk_nope_head_dim": FieldRule(HONOURED, "per-head query/key dims without RoPE"),
+    "qk_rope_head_dim": FieldRule(HONOURED, "per-head rotated dims (also the RoPE table width)"),
+    "v_head_dim": FieldRule(HONOURED, "per-head value dims"),
+    "n_routed_experts": FieldRule(HONOURED, "routed experts"),
+    "num_experts": FieldRule(HONOURED, "alias of n_routed_experts (transformers' back-compat)"),
+    "num_local_experts": FieldRule(HONOURED, "alias of n_routed_experts (attribute_map)"),
+    "n_shared_experts": FieldRule(HONOURED, "shared expert width multiple"),
+    "num_experts_per_tok": FieldRule(HONOURED, "experts chosen per token"),
+    "n_group": FieldRule(HONOURED, "expert groups of group-limited routing"),
+    "topk_group": FieldRule(HONOURED, "groups kept per token"),
+    "routed_scaling_factor": FieldRule(HONOURED, "routing weights multiplier"),
+    "norm_topk_prob": FieldRule(HONOURED, "routing weights normalised to sum 1"),
+    "first_k_dense_replace": FieldRule(HONOURED, "leading dense layers (mlp_layer_types unset)"),
+    "mlp_layer_types": FieldRule(HONOURED, "per-layer 'dense' / 'sparse' MLP"),
+    "rms_norm_eps": FieldRule(HONOURED, "decoder RMSNorm epsilon"),
+    "attention_bias": FieldRule(HONOURED, "biases of q_a_proj, kv_a_proj_with_mqa, o_proj"),
+    "max_position_embeddings": FieldRule(HONOURED, "yarn / llama3 default original length"),
+    "rope_parameters": FieldRule(HONOURED, "rope_type default, linear, yarn or llama3"),
+    "rope_scaling": FieldRule(
+        HONOURED, "legacy rope_parameters (wins); glmport's field, less rope_theta"
+    ),
+    "rope_theta": FieldRule(HONOURED, "legacy top-level theta, moved into rope_parameters"),
+    "partial_rotary_factor": FieldRule(HONOURED, "top level: moved into rope_parameters"),
+    "original_max_position_embeddings": FieldRule(
+        HONOURED, "top level: overrides rope_parameters' for yarn / llama3, as in transformers"
+    ),
+    "index_n_heads": FieldRule(HONOURED, "indexer heads"),
+    "index_head_dim": FieldRule(HONOURED, "indexer head dims"),
+    "index_topk": FieldRule(HONOURED, "keys kept per query by the indexer"),
+    "indexer_rope_interleave": FieldRule(HONOURED, "glmport's: indexer RoPE layout"),
+    "num_nextn_predict_layers": FieldRule(HONOURED, "MTP layers (checkpoint key)"),
+    "initializer_range": FieldRule(HONOURED, "std of from_config's random init"),
+    # refused: glmport computes something else for any other value
+    "hidden_act": FieldRule(REFUSED, "MLPs and experts are SwiGLU with silu", _equals("silu")),
+    "num_key_value_heads": FieldRule(
+        REFUSED,
+        "MLA expands one latent per query head (must equal num_attention_heads)",
+        _kv_heads_match,
+    ),
+    "tie_word_embeddings": FieldRule(
+        REFUSED, "the LM head is its own weight, not the input embedding", _equals(False)
+    ),
+    "attention_dropout": FieldRule(
+        REFUSED, "attention has no dropout (transformers drops in training)", _equals(0)
+    ),
+    "layer_types": FieldRule(
+        REFUSED, "every layer runs DSA ('indexed_attention')", _all_indexed_attention
+    ),
+    "quantization_config": FieldRule(
+        REFUSED,
+        "pre-quantised checkpoints are not read (see glmport.model.quantize)",
+        _equals(None),
+    ),
+    "scoring_func": FieldRule(REFUSED, _ROUTER, _equals("sigmoid")),
+    "topk_method": FieldRule(REFUSED, _ROUTER, _equals("noaux_tc")),
+    "rope_interleave": FieldRule(
+        REFUSED, "the main attention's RoPE is interleaved (transformers' too)", _equals(True)
+    ),
+    "moe_layer_freq": FieldRule(
+        REFUSED, "transformers makes every layer from first_k_dense_replace MoE", _equals(1)
+    ),
+    # bookkeeping: no effect on the computation
+    "bos_token_id": FieldRule(BOOKKEEPING, "generation settings"),
+    "eos_token_id": FieldRule(BOOKKEEPING, "generation settings (glmport's stop tokens)"),
+    "pad_token_id": FieldRule(
+        BOOKKEEPING, "transformers' Embedding padding_idx: init and its gradient only"
+    ),
+    "use_cache": FieldRule(BOOKKEEPING, "generation settings"),
+    "head_dim": FieldRule(BOOKKEEPING, "transformers overwrites it with qk_rope_head_dim"),
+    "qk_head_dim": FieldRule(BOOKKEEPING, "derived: qk_nope_head_dim + qk_rope_head_dim"),
+    "mlp_bias": FieldRule(BOOKKEEPING, "transformers' MLPs never read it (bias-free)"),
+    "output_router_logits": FieldRule(BOOKKEEPING, "adds router logits to outputs"),
+    "output_attentions": FieldRule(BOOKKEEPING, "output options"),
+    "output_hidden_states": FieldRule(BOOKKEEPING, "output options"),
+    "return_dict": FieldRule(BOOKKEEPING, "output options"),
+    "chunk_size_feed_forward": FieldRule(BOOKKEEPING, "not read by these models"),
+    "is_encoder_decoder": FieldRule(BOOKKEEPING, "not read by these models"),
+    "id2label": FieldRule(BOOKKEEPING, "classification heads only"),
+    "label2id": FieldRule(BOOKKEEPING, "classification heads only"),
+    "problem_type": FieldRule(BOOKKEEPING, "classification heads only"),
+    "architectures": FieldRule(BOOKKEEPING, "class names"),
+    "dtype": FieldRule(BOOKKEEPING, "storage dtype; from_pretrained's dtype picks the compute"),
+    "torch_dtype": FieldRule(BOOKKEEPING, "legacy name of dtype"),
+    "transformers_version": FieldRule(BOOKKEEPING, "provenance"),
+    "_name_or_path": FieldRule(BOOKKEEPING, "provenance"),
+    "ep_size": FieldRule(BOOKKEEPING, "expert-parallel layout of DeepSeek's training code"),
+    # IndexCache: layers that reuse an earlier layer's top-k are not implemented yet
+    **{
+        key: FieldRule(REFUSED, _INDEXCACHE, _every_indexer_full)
+        for key in ("indexer_types", "index_topk_pattern", "index_topk_freq")
+    },
+    "index_skip_topk_offset": FieldRule(
+        BOOKKEEPING, "only shifts index_topk_freq's schedule (refused with it)"
+    ),
+}
+
+# -- RoPE scaling (transformers' rope_parameters) --------------------------------------
+
+# Keys each implemented rope_type reads, beyond rope_type, rope_theta and
+# partial_rotary_factor (transformers' modeling_rope_utils validators).
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
+    "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
+}
+_ROPE_REQUIRED = {"linear": {"factor"}, "yarn": {"factor"}, "llama3": _ROPE_KEYS["llama3"]}
+# transformers' other rope types, and why glmport does not implement them.
+_ROPE_NOT_IMPLEMENTED = {
+    "dynamic": "its frequencies change with the longest sequence of each forward call",
+    "longrope": "it switches frequency sets with the longest sequence of each forward call",
+    "proportional": "a Gemma-4 partial rotation that MLA's rotated slice does not use",
+}
+
+
+def _rope_number(key: str, value: object, low: float, *, inclusive: bool = False) -> None:
+    """``rope_parameters.<key>`` must be a finite number ``> low`` (``>= low``)."""
+    name = f"rope_parameters.{key}"
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(f"config field {name} must be a finite number, got {_show(value)}")
+    if value < low or (value == low and not inclusive):
+        raise ConfigError(
+            f"config field {name} must be {'>=' if inclusive else '>'} {low}, got {value}"
+        )
+
+
+def normalised_rope(scaling: dict, max_position_embeddings: int) -> dict:
+    """``rope_scaling`` checked and in transformers' standard form: ``rope_type``
+    (legacy ``type`` read), the keys that type reads, and for yarn / llama3
+    ``original_max_position_embeddings`` defaulting to ``max_position_embeddings``.
+    A key the type does not read, a missing or bad value, or a type glmport does not
+    implement is a ConfigError naming it."""
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"config field rope_parameters must be an object, got {_show(scaling)}")
+    out = dict(scaling)
+    legacy = out.pop("type", None)
+    kind = out.pop("rope_type", None) or legacy or "default"
+    out.pop("rope_theta", None)  # the rope_theta field holds it
+    if kind in _ROPE_NOT_IMPLEMENTED:
+        raise ConfigError(
+            f"config field rope_parameters.rope_type {kind!r} is not implemented: "
+            f"{_ROPE_NOT_IMPLEMENTED[kind]} (glmport implements {', '.join(_ROPE_KEYS)})"
+        )
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(
+            f"config field rope_parameters.rope_type {kind!r} is unknown; glmport implements "
+            f"{', '.join(_ROPE_KEYS)}"
+        )
+    allowed = _ROPE_KEYS[kind] | {"partial_rotary_factor"}
+    unread = sorted(set(out) - allowed)
+    if unread:
+        raise ConfigError(
+            f"config field rope_parameters.{unread[0]} is not read by rope_type {kind!r} "
+            f"(it reads {', '.join(sorted(allowed))})"
+        )
+    missing = sorted(_ROPE_REQUIRED.get(kind, set()) - set(out))
+    if missing:
+        raise ConfigError(
+            f"config field rope_parameters.{missing[0]} is required by rope_type {kind!r}"
+        )
+    if "original_max_position_embeddings" in _ROPE_KEYS[kind]:
+        out.setdefault("original_max_position_embeddings", max_position_embeddings)
+        _check_int(
+            "rope_parameters.original_max_position_embeddings",
+            out["original_max_position_embeddings"],
+            minimum=1,
+        )
+    if "partial_rotary_factor" in out:
+        _rope_number("partial_rotary_factor", out["partial_rotary_factor"], 0.0)
+        # transformers' default RoPE ignores it; the scaled ones would rotate fewer dims
+        # than MLA's rotated slice, which transformers cannot run either.
+        if kind != "default" and out["partial_rotary_factor"] != 1:
+            raise ConfigError(
+                "config field rope_parameters.partial_rotary_factor "
+                f"{out['partial_rotary_factor']} is not implemented: MLA rotates all "
+                "qk_rope_head_dim dims"
+            )
+    if "factor" in out:
+        _rope_number("factor", out["factor"], 1.0, inclusive=True)
+    for key in ("attention_factor", "beta_fast", "beta_slow", "low_freq_factor"):
+        if key in out:
+            _rope_number(key, out[key], 0.0)
+    for key in ("mscale", "mscale_all_dim"):
+        if key in out:
+            _rope_number(key, out[key], 0.0, inclusive=True)
+    fast, slow = out.get("beta_fast", 32), out.get("beta_slow", 1)  # transformers' defaults
+    if fast < slow:
+        raise ConfigError(
+            f"config field rope_parameters.beta_fast {fast} must be >= beta_slow {slow}"
+        )
+    if "high_freq_factor" in out:
+        _rope_number("high_freq_factor", out["high_freq_factor"], 0.0)
+        if out["high_freq_factor"] <= out["low_freq_factor"]:
+            raise ConfigError(
+                f"config field rope_parameters.high_freq_factor {out['high_freq_factor']} must "
+                f"be > low_freq_factor {out['low_freq_factor']}"
+            )
+    if not isinstance(out.get("truncate", True), bool):
+        raise ConfigError(
+            "config field rope_parameters.truncate must be true or false, got "
+            f"{_show(out['truncate'])}"
+        )
+    return {"rope_type": kind, **out}
+
+
 @dataclass
 class GlmMoeDsaConfig:
     """Architecture hyper-parameters (defaults: GLM-5, 744B total / ~40B active).
@@ -114,8 +412,14 @@ class GlmMoeDsaConfig:
     routed_scaling_factor: float = 2.5
     norm_topk_prob: bool = True
     first_k_dense_replace: int = 3
+    # Per decoder layer "dense" or "sparse" (MoE), as transformers builds them; None:
+    # the first first_k_dense_replace layers dense (transformers' default).
+    mlp_layer_types: list[str] | None = None
     rms_norm_eps: float = 1e-5
     rope_theta: float = 1e6
+    # transformers' rope_parameters less rope_theta: rope_type and the keys it reads
+    # (see normalised_rope; transformers' legacy name for this dict).
+    rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
     max_position_embeddings: int = 202752
     index_n_heads: int = 32
     index_head_dim: int = 128
@@ -160,7 +464,10 @@ class GlmMoeDsaConfig:
             _check_int("eos_token_id", item, minimum=0)
         if not isinstance(self.extra, dict):
             raise ConfigError(f"config field extra must be a dict, got {_show(self.extra)}")
+        self.rope_scaling = normalised_rope(self.rope_scaling, self.max_position_embeddings)
+        self._check_mlp_layer_types()
         self._check_relations()
+        self._check_refused()
         size = 4 * self.parameter_count()
         if size > MAX_PARAMETER_BYTES:
             raise ConfigError(
@@ -169,6 +476,31 @@ class GlmMoeDsaConfig:
                 "TiB (MAX_PARAMETER_BYTES): check hidden_size, vocab_size, "
                 "num_hidden_layers and the expert sizes"
             )
+
+    def _check_mlp_layer_types(self) -> None:
+        types = self.mlp_layer_types
+        if types is None:
+            return
+        if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types):
+            raise ConfigError(
+                f"config field mlp_layer_types must be a list of 'dense' / 'sparse', got "
+                f"{_show(types)}"
+            )
+        if len(types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"config field mlp_layer_types has {len(types)} entries for "
+                f"num_hidden_layers {self.num_hidden_layers}"
+            )
+
+    def _check_refused(self) -> None:
+        """A key of FIELD_RULES glmport does not implement, set to a value it cannot run
+        (e.g. ``hidden_act "gelu"``), is a ConfigError naming the key and the value."""
+        fields = {**self.extra, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        for name, rule in FIELD_RULES.items():
+            if rule.kind == REFUSED and name in fields and not rule.runs(fields[name], fields):
+                raise ConfigError(
+                    f"config field {name} = {_show(fields[name])} is not implemented: {rule.reason}"
+                )
 
     def _check_relations(self) -> None:
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
@@ -225,8 +557,14 @@ class GlmMoeDsaConfig:
             return 2 * h + attention + (moe if self.is_moe_layer(index) else dense)
 
         n = self.num_hidden_layers
-        total = 2 * v * h + h + sum(layer(k) for k in range(min(n, self.first_k_dense_replace)))
-        total += max(0, n - self.first_k_dense_replace) * layer(n)
+        # Counted, not summed per layer: a typo'd num_hidden_layers must not loop.
+        n_dense = (
+            min(n, self.first_k_dense_replace)
+            if self.mlp_layer_types is None
+            else self.mlp_layer_types.count("dense")
+        )
+        total = 2 * v * h + h + n_dense * (2 * h + attention + dense)
+        total += (n - n_dense) * (2 * h + attention + moe)
         mtp = v * h + 2 * h + 2 * h * h + h + v * h  # embed, enorm, hnorm, eh_proj, head
         total += sum(layer(n + k) + mtp for k in range(self.num_nextn_predict_layers))
         return total
@@ -236,35 +574,50 @@ class GlmMoeDsaConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (decoder layers, then MTP layers) has the MoE MLP:
+        ``mlp_layer_types`` where it names the layer, else ``first_k_dense_replace``."""
+        types = self.mlp_layer_types
+        if types is not None and index < len(types):
+            return types[index] == "sparse"
         return index >= self.first_k_dense_replace
 
     # -- HF config.json ------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, data: dict) -> GlmMoeDsaConfig:
-        """Build from HF ``config.json`` fields; unknown keys are kept in ``extra``."""
+        """Build from HF ``config.json`` fields, read as transformers reads them (RoPE
+        keys merged into ``rope_parameters``, expert-count aliases); keys glmport does
+        not read are kept in ``extra`` (refused ones checked, see FIELD_RULES)."""
         if not isinstance(data, dict):
             raise ConfigError(f"a model config must be a JSON object, got {_show(data)}")
         data = dict(data)
-        rope = data.pop("rope_parameters", None) or data.pop("rope_scaling", None) or {}
+        # The legacy rope_scaling wins over rope_parameters, as in transformers.
+        params, legacy = data.pop("rope_parameters", None), data.pop("rope_scaling", None)
+        rope = legacy or params or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"config field rope_parameters must be an object, got {_show(rope)}")
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(
-                f"rope_type {rope.get('rope_type')!r} is not supported (only 'default'); "
-                "GLM-5 uses default RoPE with theta 1e6"
-            )
-        theta = rope.get("rope_theta", data.pop("rope_theta", None))
+        rope = dict(rope)
+        theta = rope.pop("rope_theta", None)
+        top_theta = data.pop("rope_theta", None)
+        theta = top_theta if theta is None else theta
         if theta is None:
             theta = 10000.0  # transformers' default when a config names none
-        data.pop("rope_theta", None)
         _check_float("rope_theta", theta, 0.0)
+        if "partial_rotary_factor" in data:
+            rope.setdefault("partial_rotary_factor", data.pop("partial_rotary_factor"))
+        # A top-level original length overrides the rope dict's (transformers' Phi-3 rule).
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if "original_max_position_embeddings" in data and kind in ("yarn", "llama3"):
+            rope["original_max_position_embeddings"] = data.pop("original_max_position_embeddings")
+        for alias in ("num_local_experts", "num_experts"):  # the later wins, as there
+            if data.get(alias) is not None:
+                data["n_routed_experts"] = data.pop(alias)
         if data.get("model_type") == DEEPSEEK_V32:
             data.setdefault("indexer_rope_interleave", False)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}
         extra = {k: v for k, v in data.items() if k not in names}
-        return cls(**known, rope_theta=float(theta), extra=extra)
+        return cls(**known, rope_theta=float(theta), rope_scaling=rope, extra=extra)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> GlmMoeDsaConfig:
@@ -281,7 +634,9 @@ class GlmMoeDsaConfig:
         """HF ``config.json`` fields (``rope_parameters`` as transformers writes them)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         out.pop("rope_theta")
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        out["rope_parameters"] = {**out.pop("rope_scaling"), "rope_theta": self.rope_theta}
+        if self.mlp_layer_types is None:
+            out.pop("mlp_layer_types")  # transformers derives the same default
         out["num_key_value_heads"] = self.num_attention_heads
         out["architectures"] = [
             "GlmMoeDsaForCausalLM" if self.model_type == GLM_MOE_DSA else "DeepseekV32ForCausalLM"

@@ -11,6 +11,7 @@ transformers' ``GlmMoeDsaForCausalLM``, so its state dicts load unchanged.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
@@ -92,15 +93,93 @@ def visible_slots(k_start: torch.Tensor, k_end: torch.Tensor) -> torch.Tensor:
     return torch.where(slots < k_end[:, None], slots, -1).to(torch.int32)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(config: GlmMoeDsaConfig) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies ``[qk_rope_head_dim / 2]`` fp32 of ``config.rope_scaling``
+    and the factor on cos / sin, as transformers' ``modeling_rope_utils`` computes them:
+
+    - default: ``theta ** (-2i / d)``;
+    - linear: the default divided by ``factor``;
+    - yarn (Peng et al. 2023, arXiv 2309.00071): per frequency a ramp between the
+      default (fast rotations, above ``beta_fast`` turns over the original length) and
+      the default divided by ``factor`` (slow, below ``beta_slow``); the cos / sin
+      factor is ``attention_factor``, else ``mscale(factor, mscale) /
+      mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor)``;
+    - llama3 (Llama 3.1): wavelengths longer than ``original / low_freq_factor``
+      divided by ``factor``, shorter than ``original / high_freq_factor`` kept,
+      smoothly interpolated between.
+    """
+    d, theta, p = config.qk_rope_head_dim, config.rope_theta, config.rope_scaling
+    kind = p["rope_type"]
+    # On the cpu even while a model is built on the meta device (from_pretrained).
+    exponents = torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d
+    base_freq = theta**exponents  # [d/2]
+    inv_freq = 1.0 / base_freq
+    if kind == "linear":
+        return inv_freq / p["factor"], 1.0
+    if kind == "llama3":
+        original, factor = p["original_max_position_embeddings"], p["factor"]
+        low, high = p["low_freq_factor"], p["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        factor, original = p["factor"], p["original_max_position_embeddings"]
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = p.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = (
+                _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                if mscale and mscale_all_dim
+                else _yarn_mscale(factor)
+            )
+
+        def dim_of(turns: float) -> float:
+            """The (fractional) dim index that turns ``turns`` times over ``original``."""
+            return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(p.get("beta_fast", 32)), dim_of(p.get("beta_slow", 1))
+        if p.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        dims = torch.arange(d // 2, dtype=torch.float32, device="cpu")
+        ramp = ((dims - low) / (high - low)).clamp(0, 1)
+        extrapolated = 1 - ramp  # weight of the unscaled frequency
+        interpolated = 1.0 / (factor * base_freq)
+        inv_freq = interpolated * (1 - extrapolated) + inv_freq * extrapolated
+        return inv_freq, float(attention_factor)
+    return inv_freq, 1.0
+
+
+def softmax_scale(config: GlmMoeDsaConfig) -> float:
+    """The attention's score scale: ``qk_head_dim ** -0.5``, times ``mscale(factor,
+    mscale_all_dim) ** 2`` where a scaled RoPE sets ``mscale_all_dim`` (DeepSeek's
+    YaRN; transformers' ``yarn_apply_mscale``)."""
+    p = config.rope_scaling
+    scale = config.qk_head_dim**-0.5
+    if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+        scale *= _yarn_mscale(p["factor"], p["mscale_all_dim"]) ** 2
+    return scale
+
+
 def rope_tables(
-    positions: torch.Tensor, dim: int, theta: float
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [T, dim/2]`` fp32 for the given positions (default RoPE)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
-    )
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    """``cos, sin [T, d/2]`` fp32 at ``positions [T]`` for ``inv_freq [d/2]`` fp32
+    (:func:`rope_frequencies`), both times ``attention_factor``."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 # -- building blocks ---------------------------------------------------------------
@@ -416,7 +495,7 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, h, bias=bias)
         self.indexer = Indexer(config)
-        self.scale = c.qk_head_dim**-0.5
+        self.scale = softmax_scale(config)
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjections:
         c = self.config
@@ -573,6 +652,9 @@ class GlmMoeDsaModel(nn.Module):
         layers += [MTPLayer(config, n + i) for i in range(config.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Once per model, fp32 on the cpu: a plain attribute, not a buffer, so that
+        # model.to(bfloat16) cannot round the frequencies (rope_tables moves them).
+        self.inv_freq, self.attention_factor = rope_frequencies(config)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -583,7 +665,9 @@ class GlmMoeDsaModel(nn.Module):
         return list(self.layers[self.config.num_hidden_layers :])
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(positions, self.config.qk_rope_head_dim, self.config.rope_theta)
+        """``cos, sin [T, qk_rope_head_dim / 2]`` fp32 at ``positions [T]`` (prefill,
+        training and paged-cache decode all call this)."""
+        return rope_tables(positions, self.inv_freq, self.attention_factor)
 
     def forward(self, batch: Packed) -> torch.Tensor:
         """Last-layer hidden states ``[T, hidden]`` of the packed tokens (before the norm)."""
