@@ -13,7 +13,7 @@ from pathlib import Path
 
 from glmport.core.errors import ConfigError
 
-from .matrix import NO_PAIR, _cell_text, _sci, grid
+from .matrix import NO_PAIR, _cell_text, _sci, backend_errors, grid
 from .matrix import SCHEMA_VERSION as MATRIX_SCHEMA
 from .report import _NOT_STACK, _shapes, _worst_text, verdict_line, worst_ratio
 from .report import SCHEMA_VERSION as REPORT_SCHEMA
@@ -193,9 +193,7 @@ def _matrix_section(directory: Path, result: dict) -> str:
     backend_rows = []
     for b in result["backends"]:
         runs = [b["runs"][d] for d in result["dtypes"]]
-        errors = "; ".join(
-            f"{d}: {r['error']}" for d, r in zip(result["dtypes"], runs, strict=True) if r["error"]
-        )
+        errors = backend_errors(result, b)
         backend_rows.append(
             f"<tr><td>{_e(b['name'])}</td><td>{'yes' if b['emulated'] else 'no'}</td>"
             f"<td>{_e(b['device'])}</td>"

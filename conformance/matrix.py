@@ -185,6 +185,13 @@ def _cell_text(pair: dict | None, sep: str) -> str:
     return f"{_sci(pair['mean_abs_dlogp'])}{sep}{pair['greedy_agreement']:.0%}"
 
 
+def backend_errors(result: dict, backend: dict) -> str:
+    """``"bfloat16: <error>; ..."``: what ``backend`` (an entry of ``result["backends"]``)
+    raised on the model, per dtype ("" when nothing)."""
+    runs = backend["runs"]
+    return "; ".join(f"{d}: {runs[d]['error']}" for d in result["dtypes"] if runs[d]["error"])
+
+
 def markdown(result: dict) -> str:
     """``matrix.md``: per dtype a backends x backends table (mean |delta logp| and
     greedy agreement), then every pair, the backends with their times and errors."""
@@ -235,9 +242,7 @@ def markdown(result: dict) -> str:
     ]
     for b in result["backends"]:
         runs = [b["runs"][d] for d in result["dtypes"]]
-        errors = "; ".join(
-            f"{d}: {r['error']}" for d, r in zip(result["dtypes"], runs, strict=True) if r["error"]
-        )
+        errors = backend_errors(result, b)
         lines.append(
             f"| {b['name']} | {'yes' if b['emulated'] else 'no'} | {b['device']} | "
             + " | ".join(f"{r['seconds']:.1f}" for r in runs)
