@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -53,6 +54,9 @@ from .judges import JUDGE_OF_OP, JUDGES, Verdict
 from .model_case import pair_metrics
 from .report import worst_ratio
 from .runner import Check, Record, device_for, run_check
+
+if TYPE_CHECKING:
+    from glmport.model.config import GlmMoeDsaConfig
 
 REPLAY_FORMAT = "glmport-op-call"
 REPLAY_VERSION = 1
@@ -99,7 +103,7 @@ def _watched(model: nn.Module, trace, layer_outputs: dict[int, torch.Tensor]) ->
             trace.pop()
             layer = _layer_of(n)
             if isinstance(m, DecoderLayer) and layer is not None:
-                layer_outputs[layer] = out.detach().float().cpu()
+                layer_outputs[layer] = out[0].detach().float().cpu()  # (hidden, indices)
 
         handles.append(module.register_forward_hook(post))
     try:
@@ -330,7 +334,9 @@ def _layer_label(layer: int | None, scope: str) -> str:
     return "embed" if "embed" in scope else "final"
 
 
-def _layer_rows(calls: list[CallDiff], a: Run, b: Run, num_layers: int, follow: bool) -> list[dict]:
+def _layer_rows(
+    calls: list[CallDiff], a: Run, b: Run, config: GlmMoeDsaConfig, follow: bool
+) -> list[dict]:
     """Per layer: each op's worst errors (own run and on A's inputs), the layer
     output's error in B's own run, and the choices' agreement."""
     from glmport.model.choices import INDICES, ROUTING
@@ -376,26 +382,28 @@ def _layer_rows(calls: list[CallDiff], a: Run, b: Run, num_layers: int, follow: 
                 cmp = compare(b.layer_outputs[n], a.layer_outputs[n], MEASURE_ONLY)
                 entry["output_max_rel"], entry["output_mean_rel"] = cmp.max_rel, cmp.mean_rel
             if not follow:
-                entry.update(_tape_agreement(a.choices, b.choices, n, INDICES, ROUTING, num_layers))
+                entry.update(_tape_agreement(a.choices, b.choices, n, INDICES, ROUTING, config))
         rows.append(entry)
     return rows
 
 
-def _tape_agreement(ca: dict, cb: dict, layer: int, indices: str, routing: str, n: int) -> dict:
-    """Top-k overlap and expert agreement of decoder ``layer`` in the two own runs."""
+def _tape_agreement(
+    ca: dict, cb: dict, layer: int, indices: str, routing: str, config: GlmMoeDsaConfig
+) -> dict:
+    """Top-k overlap and expert agreement of decoder ``layer`` in the two own runs (a
+    shared-indexer layer reports the overlap of the full layer whose top-k it reuses)."""
     out = {}
     seq_a, seq_b = ca.get(0), cb.get(0)
     if seq_a is None or seq_b is None:
         return out
     if seq_a.indices is not None and seq_b.indices is not None:
-        out["topk_overlap"] = row_overlap(seq_a.indices[layer], seq_b.indices[layer])
-    if seq_a.experts is not None and seq_b.experts is not None:
-        moe_layers = seq_a.experts.shape[0]
-        first_moe = n - moe_layers  # the first k layers are dense
-        if layer >= first_moe:
-            out["expert_agreement"] = row_overlap(
-                seq_a.experts[layer - first_moe], seq_b.experts[layer - first_moe]
-            )
+        # Choices.indices holds the full layers only, in order.
+        row = config.full_indexer_layers.index(config.indexer_source(layer))
+        out["topk_overlap"] = row_overlap(seq_a.indices[row], seq_b.indices[row])
+    moe = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    if seq_a.experts is not None and seq_b.experts is not None and layer in moe:
+        row = moe.index(layer)  # Choices.experts holds the MoE layers only, in order
+        out["expert_agreement"] = row_overlap(seq_a.experts[row], seq_b.experts[row])
     return out
 
 
@@ -490,7 +498,7 @@ def diff_backends(
         follow=follow,
         tokens=int(a.logp.numel()),
         calls=calls,
-        layers=_layer_rows(calls, a, b, model.config.num_hidden_layers, follow),
+        layers=_layer_rows(calls, a, b, model.config, follow),
         logits=logits,
         first_divergence=first,
         first_own_divergence=first_own,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import glmport.ops as ops
-from glmport.core.errors import GlmportError
+from glmport.core.errors import ConfigError, GlmportError
 from glmport.model.causal_lm import GlmMoeDsaForCausalLM
 from glmport.model.modeling import DecoderLayer
 
@@ -43,10 +43,19 @@ class StepGraph(nn.Module):
     layers; ``P`` may be 0). Outputs: ``logits [B, S, V]`` and both caches grown to
     ``P + S`` positions (``present_latent``, ``present_index_keys``). Every sequence
     holds the same number of positions (no padding inside the graph).
+
+    Every decoder layer runs its own indexer: a config with IndexCache's shared layers
+    (``indexer_types``) is a :class:`ConfigError`.
     """
 
     def __init__(self, model: GlmMoeDsaForCausalLM) -> None:
         super().__init__()
+        shared = [i for i, t in enumerate(model.config.indexer_types) if t == "shared"]
+        if shared:
+            raise ConfigError(
+                f"config field indexer_types marks layers {shared} 'shared': export of "
+                "shared-indexer layers is not implemented"
+            )
         self.model = model
 
     def forward(

@@ -2,7 +2,9 @@
 
 Every cached layer keeps two pools of ``num_slots = num_blocks * block_size`` rows: the
 MLA latent ``[num_slots, kv_lora + rope]`` (normalised ``c_kv`` | rotated ``k_pe``, what
-absorbed attention reads) and the indexer keys ``[num_slots, index_head_dim]``. Slots
+absorbed attention reads) and the indexer keys ``[num_slots, index_head_dim]``, the
+latter only for layers that run their own indexer (IndexCache's shared layers attend
+their full layer's selection of the same step and store no indexer keys). Slots
 are handed out in blocks from a free list; a sequence's block table maps its logical
 positions to physical slots, which need not be contiguous or ordered.
 
@@ -45,6 +47,8 @@ class PagedKVCache:
         index_dim: ``index_head_dim``.
         num_blocks: blocks in the pool; ``num_blocks * block_size`` slots per layer.
         block_size: slots per block.
+        indexed: per layer, whether it keeps indexer keys (``index_keys[i]`` is None
+            where not); None: every layer.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int = 16,
         *,
+        indexed: Sequence[bool] | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
@@ -73,8 +78,14 @@ class PagedKVCache:
         self.latent = [
             torch.zeros(slots, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)
         ]
-        self.index_keys = [
-            torch.zeros(slots, index_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        indexed = [True] * num_layers if indexed is None else list(indexed)
+        if len(indexed) != num_layers:
+            raise ConfigError(
+                f"PagedKVCache: indexed has {len(indexed)} entries for {num_layers} layers"
+            )
+        self.index_keys: list[torch.Tensor | None] = [
+            torch.zeros(slots, index_dim, dtype=dtype, device=device) if keep else None
+            for keep in indexed
         ]
         # Popped from the end: a fresh cache hands out blocks 0, 1, 2, ...
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -93,13 +104,17 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> PagedKVCache:
-        """A cache sized for ``config``'s latent and indexer key widths."""
+        """A cache sized for ``config``'s latent and indexer key widths, for its first
+        ``num_layers`` decoder layers: indexer keys only for those that run their own
+        indexer. A one-layer MTP cache matches too (layer 0 is always full)."""
+        full = set(config.full_indexer_layers)
         return cls(
             num_layers,
             config.kv_lora_rank + config.qk_rope_head_dim,
             config.index_head_dim,
             num_blocks,
             block_size,
+            indexed=[i in full for i in range(num_layers)],
             dtype=dtype,
             device=device,
         )
@@ -326,21 +341,36 @@ def _plan(
 
 
 def _layer_step(
-    layer: DecoderLayer, x: torch.Tensor, cache: PagedKVCache, index: int, plan: _Plan
-) -> torch.Tensor:
-    """``DecoderLayer.forward`` for new tokens ``x [T, hidden]`` over cache layer ``index``."""
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cache: PagedKVCache,
+    index: int,
+    plan: _Plan,
+    shared: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.forward`` for new tokens ``x [T, hidden]`` over cache layer
+    ``index``: the new ``x`` and the ``[T, K]`` int32 packed key positions attended
+    (``-1``: none). A layer without an indexer attends ``shared``, the previous
+    layer's positions of this step."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     p = attn.project(h, plan.cos, plan.sin)
     latent, keys = cache.latent[index], cache.index_keys[index]
     latent[plan.new_slots] = p.latent.to(latent.dtype)
-    keys[plan.new_slots] = attn.indexer.keys(h, plan.cos, plan.sin).to(keys.dtype)
-    # The indexer sees each sequence's keys packed in logical order, so its ranges are
-    # contiguous and its ties break by position exactly as in the uncached forward.
-    packed = plan.packed_keys(keys)
-    picked = attn.indexer.select(h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end)
+    if attn.indexer is None:
+        picked = shared
+    else:
+        if keys is None:
+            raise ConfigError(f"PagedKVCache: layer {index} runs an indexer but keeps no keys")
+        keys[plan.new_slots] = attn.indexer.keys(h, plan.cos, plan.sin).to(keys.dtype)
+        # The indexer sees each sequence's keys packed in logical order, so its ranges
+        # are contiguous and its ties break by position exactly as in the uncached forward.
+        packed = plan.packed_keys(keys)
+        picked = attn.indexer.select(
+            h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end
+        )
     x = x + attn.attend_latent(p, latent, plan.physical(picked))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + layer.mlp(layer.post_attention_layernorm(x)), picked
 
 
 def _as_ids(
@@ -384,8 +414,9 @@ def forward_cached(
     tape = active_tape()
     # A choice tape names each token by its cache sequence id and position.
     with nullcontext() if tape is None else tape.rows(plan.seq_ids, plan.positions):
+        picked = None  # a shared layer attends what the previous layer attended
         for i, layer in enumerate(model.model.decoder_layers):
-            x = _layer_step(layer, x, cache, i, plan)
+            x, picked = _layer_step(layer, x, cache, i, plan, picked)
     out = x[plan.last] if last_only else x
     return StepOutput(model.lm_head(model.model.norm(out)), x, counts)
 
@@ -427,6 +458,6 @@ def mtp_forward_cached(
             f"mtp_forward_cached: {sum(counts)} next tokens for {h_prev.shape[0]} hidden states"
         )
     plan = _plan(cache, seqs, counts, model.model.rope, device)
-    x = _layer_step(mtp, mtp.fuse(h_prev, torch.cat(rows)), cache, 0, plan)
+    x, _ = _layer_step(mtp, mtp.fuse(h_prev, torch.cat(rows)), cache, 0, plan)
     out = x[plan.last] if last_only else x
     return StepOutput(mtp.logits(out), x, counts)

@@ -23,7 +23,8 @@ forward uses the batch row, the cached forward the cache's sequence id. Indexer
 selections are stored as key *positions* of the same sequence (not slots), so they
 replay in a packed batch and in a paged cache alike. The tape is context-local (thread
 or asyncio task), like :func:`~glmport.model.modeling.record_attention`; MTP layers are
-not tracked.
+not tracked. Only layers that run their own indexer are tracked: an IndexCache shared
+layer attends its full layer's selection, so it records and replays through it.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class Choices:
 
     ``experts``: ``[n_moe_layers, L, num_experts_per_tok]`` int16, the routed expert
     ids of every MoE decoder layer in layer order (``None`` if not recorded).
-    ``indices``: ``[num_hidden_layers, L, index_topk]`` int32, the key positions (of
-    this sequence, ``0 .. t``) each layer's indexer selected for token ``t``, ``-1``
-    where fewer keys were visible (``None`` if not recorded). Order within a row is
-    the indexer's; attention does not depend on it.
+    ``indices``: ``[num_full_layers, L, index_topk]`` int32, the key positions (of
+    this sequence, ``0 .. t``) each full layer's indexer (``config.full_indexer_layers``,
+    in order; every decoder layer unless IndexCache shares some) selected for token
+    ``t``, ``-1`` where fewer keys were visible (``None`` if not recorded). Order within
+    a row is the indexer's; attention does not depend on it.
     """
 
     experts: torch.Tensor | None
@@ -109,10 +111,13 @@ class ChoiceTape:
         config = model.config
         layers = model.model.decoder_layers
         moe = [layer.mlp.gate for layer in layers if isinstance(layer.mlp, MoE)]
+        indexers = [layer.self_attn.indexer for layer in layers]  # None: a shared layer
         self._layers = {
             ROUTING: _Layers(moe, config.num_experts_per_tok, torch.int16),
             INDICES: _Layers(
-                [layer.self_attn.indexer for layer in layers], config.index_topk, torch.int32
+                [ix for ix in indexers if ix is not None],
+                config.index_topk,
+                torch.int32,
             ),
         }
         self._device = model.lm_head.weight.device

@@ -117,10 +117,6 @@ def _kv_heads_match(value: object, fields: dict) -> bool:
 
 
 _ROUTER = "transformers' router is fixed (sigmoid scores, noaux_tc group-limited top-k)"
-_INDEXCACHE = (
-    "IndexCache's shared-indexer layers (a layer reusing an earlier layer's top-k) are not "
-    "implemented yet: every layer must run its own indexer ('full')"
-)
 
 
 def indexer_types_of(fields: dict) -> list[str]:
@@ -143,15 +139,6 @@ def indexer_types_of(fields: dict) -> list[str]:
         "full" if max(i - offset + 1, 0) % freq == 0 else "shared"
         for i in range(fields["num_hidden_layers"])
     ]
-
-
-def _every_indexer_full(value: object, fields: dict) -> bool:
-    if fields.get("model_type") == DEEPSEEK_V32:  # transformers' DeepSeek-V3.2 reads none
-        return True
-    try:
-        return all(t == "full" for t in indexer_types_of(fields))
-    except (KeyError, TypeError, ValueError):  # malformed: not something glmport runs
-        return False
 
 
 # Every field of transformers' GlmMoeDsaConfig and DeepseekV32Config, the generic
@@ -255,14 +242,12 @@ FIELD_RULES: dict[str, FieldRule] = {
     "transformers_version": FieldRule(BOOKKEEPING, "provenance"),
     "_name_or_path": FieldRule(BOOKKEEPING, "provenance"),
     "ep_size": FieldRule(BOOKKEEPING, "expert-parallel layout of DeepSeek's training code"),
-    # IndexCache: layers that reuse an earlier layer's top-k are not implemented yet
-    **{
-        key: FieldRule(REFUSED, _INDEXCACHE, _every_indexer_full)
-        for key in ("indexer_types", "index_topk_pattern", "index_topk_freq")
-    },
-    "index_skip_topk_offset": FieldRule(
-        BOOKKEEPING, "only shifts index_topk_freq's schedule (refused with it)"
-    ),
+    # IndexCache (glm_moe_dsa only: transformers' DeepSeek-V3.2 reads none of these keys,
+    # so there they are bookkeeping in ``extra`` and every layer is full)
+    "indexer_types": FieldRule(HONOURED, "per-layer 'full' / 'shared' indexer (IndexCache)"),
+    "index_topk_pattern": FieldRule(HONOURED, "'FSSF...': derives indexer_types when unset"),
+    "index_topk_freq": FieldRule(HONOURED, "one full layer in N: derives indexer_types"),
+    "index_skip_topk_offset": FieldRule(HONOURED, "shifts index_topk_freq's schedule"),
 }
 
 # -- RoPE scaling (transformers' rope_parameters) --------------------------------------
@@ -424,6 +409,11 @@ class GlmMoeDsaConfig:
     index_n_heads: int = 32
     index_head_dim: int = 128
     index_topk: int = 2048
+    # IndexCache: per decoder layer "full" (runs its own indexer) or "shared" (reuses the
+    # top-k of the nearest preceding full layer; no indexer weights). None: derived from
+    # ``extra``'s index_topk_pattern / index_topk_freq as transformers does (all "full"
+    # for deepseek_v32, whose transformers model reads none of these keys).
+    indexer_types: list[str] | None = None
     indexer_rope_interleave: bool = True
     num_nextn_predict_layers: int = 1
     tie_word_embeddings: bool = False
@@ -468,6 +458,8 @@ class GlmMoeDsaConfig:
         self._check_mlp_layer_types()
         self._check_relations()
         self._check_refused()
+        # Sized before indexer_types is derived (counted as all full until then): a
+        # typo'd num_hidden_layers must fail here, not build a list that long.
         size = 4 * self.parameter_count()
         if size > MAX_PARAMETER_BYTES:
             raise ConfigError(
@@ -475,6 +467,39 @@ class GlmMoeDsaConfig:
                 f"TiB in float32), above glmport's limit of {MAX_PARAMETER_BYTES / 2**40:.0f} "
                 "TiB (MAX_PARAMETER_BYTES): check hidden_size, vocab_size, "
                 "num_hidden_layers and the expert sizes"
+            )
+        self._set_indexer_types()
+
+    def _set_indexer_types(self) -> None:
+        """Derive ``indexer_types`` when unset and check it: one ``"full"`` / ``"shared"``
+        per decoder layer, layer 0 full (a shared layer needs a preceding full one)."""
+        if self.indexer_types is None:
+            if self.model_type == DEEPSEEK_V32:
+                self.indexer_types = ["full"] * self.num_hidden_layers
+            else:
+                fields = {**self.extra, "num_hidden_layers": self.num_hidden_layers}
+                try:
+                    self.indexer_types = indexer_types_of(fields)
+                except (KeyError, TypeError, ValueError) as err:
+                    raise ConfigError(
+                        "config fields index_topk_pattern / index_topk_freq / "
+                        f"index_skip_topk_offset do not give indexer_types: {err!r}"
+                    ) from err
+        types = self.indexer_types
+        if not isinstance(types, list) or any(t not in ("full", "shared") for t in types):
+            raise ConfigError(
+                "config field indexer_types must be a list of 'full' / 'shared', got "
+                f"{_show(types)}"
+            )
+        if len(types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"config field indexer_types has {len(types)} entries for num_hidden_layers "
+                f"{self.num_hidden_layers}"
+            )
+        if types[0] != "full":
+            raise ConfigError(
+                "config field indexer_types must start with 'full': a shared layer reuses the "
+                "top-k of a preceding full layer, and layer 0 has none"
             )
 
     def _check_mlp_layer_types(self) -> None:
@@ -557,6 +582,7 @@ class GlmMoeDsaConfig:
             return 2 * h + attention + (moe if self.is_moe_layer(index) else dense)
 
         n = self.num_hidden_layers
+        n_shared = 0 if self.indexer_types is None else self.indexer_types.count("shared")
         # Counted, not summed per layer: a typo'd num_hidden_layers must not loop.
         n_dense = (
             min(n, self.first_k_dense_replace)
@@ -564,7 +590,7 @@ class GlmMoeDsaConfig:
             else self.mlp_layer_types.count("dense")
         )
         total = 2 * v * h + h + n_dense * (2 * h + attention + dense)
-        total += (n - n_dense) * (2 * h + attention + moe)
+        total += (n - n_dense) * (2 * h + attention + moe) - n_shared * index  # no indexer
         mtp = v * h + 2 * h + 2 * h * h + h + v * h  # embed, enorm, hnorm, eh_proj, head
         total += sum(layer(n + k) + mtp for k in range(self.num_nextn_predict_layers))
         return total
@@ -572,6 +598,20 @@ class GlmMoeDsaConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def indexer_source(self, index: int) -> int:
+        """The layer whose indexer selects the keys layer ``index`` (decoder layers, then
+        MTP layers) attends: itself when full (MTP layers always), else the nearest
+        preceding full decoder layer (IndexCache's shared layers)."""
+        if index < self.num_hidden_layers:
+            while self.indexer_types[index] == "shared":
+                index -= 1  # layer 0 is full (checked at construction)
+        return index
+
+    @property
+    def full_indexer_layers(self) -> list[int]:
+        """The decoder layers that run their own indexer, in layer order."""
+        return [i for i, t in enumerate(self.indexer_types) if t == "full"]
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (decoder layers, then MTP layers) has the MoE MLP:
@@ -612,9 +652,10 @@ class GlmMoeDsaConfig:
         for alias in ("num_local_experts", "num_experts"):  # the later wins, as there
             if data.get(alias) is not None:
                 data["n_routed_experts"] = data.pop(alias)
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         if data.get("model_type") == DEEPSEEK_V32:
             data.setdefault("indexer_rope_interleave", False)
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+            names.discard("indexer_types")  # read by transformers' glm_moe_dsa only
         known = {k: v for k, v in data.items() if k in names}
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**known, rope_theta=float(theta), rope_scaling=rope, extra=extra)
@@ -637,6 +678,8 @@ class GlmMoeDsaConfig:
         out["rope_parameters"] = {**out.pop("rope_scaling"), "rope_theta": self.rope_theta}
         if self.mlp_layer_types is None:
             out.pop("mlp_layer_types")  # transformers derives the same default
+        if self.model_type == DEEPSEEK_V32:
+            out.pop("indexer_types")  # all full; a key given stays in extra, as written
         out["num_key_value_heads"] = self.num_attention_heads
         out["architectures"] = [
             "GlmMoeDsaForCausalLM" if self.model_type == GLM_MOE_DSA else "DeepseekV32ForCausalLM"

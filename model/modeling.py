@@ -479,9 +479,13 @@ def record_attention(
 class Attention(nn.Module):
     """Multi-head latent attention with DSA. Absorbed (``[T, H, kv_lora + rope]``
     queries over latent rows) where the indexer selects and over the KV cache;
-    non-absorbed (per-head keys and values) where most visible keys are attended."""
+    non-absorbed (per-head keys and values) where most visible keys are attended.
 
-    def __init__(self, config: GlmMoeDsaConfig) -> None:
+    Layer ``layer_index`` (decoder layers, then MTP layers) has no indexer (``indexer
+    is None``, no weights) when ``config.indexer_types`` marks it ``"shared"``
+    (IndexCache): it attends the keys its nearest preceding full layer selected."""
+
+    def __init__(self, config: GlmMoeDsaConfig, layer_index: int) -> None:
         super().__init__()
         c = self.config = config
         h, bias = config.hidden_size, config.attention_bias
@@ -494,7 +498,8 @@ class Attention(nn.Module):
             c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, h, bias=bias)
-        self.indexer = Indexer(config)
+        shared = config.indexer_source(layer_index) != layer_index
+        self.indexer = None if shared else Indexer(config)
         self.scale = softmax_scale(config)
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjections:
@@ -520,9 +525,18 @@ class Attention(nn.Module):
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def forward(
-        self, h: torch.Tensor, batch: Packed, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention over the packed batch itself (prefill, training).
+        self,
+        h: torch.Tensor,
+        batch: Packed,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        shared: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over the packed batch itself (prefill, training): the output
+        ``[T, hidden]`` and the ``[T, K]`` int32 slots attended (``-1``: none).
+
+        A layer without an indexer attends ``shared``, the slots its source layer
+        attended in this same forward (so valid slots of ``batch``).
 
         Both MLA forms compute the same function; the shape of the attention picks the
         cheaper one. Where the indexer keeps a small share of the visible keys (some
@@ -540,6 +554,13 @@ class Attention(nn.Module):
         dense = records is not None and recording.dense
         if dense:
             indices = visible_slots(batch.k_start, batch.k_end)
+        elif self.indexer is None:
+            if shared is None:
+                raise ConfigError(
+                    "a shared-indexer layer (indexer_types 'shared') needs the top-k of a "
+                    "preceding full layer of the same forward"
+                )
+            indices = shared
         else:
             keys = self.indexer.keys(h, cos, sin)
             indices = self.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
@@ -552,7 +573,7 @@ class Attention(nn.Module):
         if records is not None:
             d = [x.detach() for x in (h, p.q_res, cos, sin, q, k, lse)]
             records.append(AttentionRecord(*d, indices, batch.k_start, batch.k_end))
-        return out
+        return out, indices
 
     def _non_absorbed(
         self, p: MLAProjections, indices: torch.Tensor
@@ -599,16 +620,25 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: GlmMoeDsaConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.is_moe_layer(index)
         self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, batch: Packed, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        batch: Packed,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        shared: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new hidden states ``[T, hidden]`` and the ``[T, K]`` int32 slots this
+        layer attended, which the following shared layers attend (``shared``: the
+        previous layer's, see :meth:`Attention.forward`)."""
+        out, indices = self.self_attn(self.input_layernorm(x), batch, cos, sin, shared)
+        x = x + out
+        return x + self.mlp(self.post_attention_layernorm(x)), indices
 
 
 class SharedHead(nn.Module):
@@ -681,8 +711,9 @@ class GlmMoeDsaModel(nn.Module):
             else tape.rows(batch.flat // batch.seq_len, batch.positions)
         )
         with rows:
+            indices = None  # a shared layer attends what the previous layer attended
             for layer in self.decoder_layers:
-                x = layer(x, batch, cos, sin)
+                x, indices = layer(x, batch, cos, sin, indices)
         return x
 
 

@@ -13,6 +13,11 @@ Stages (DeepSeek-V3.2, GLM-5):
 In both stages the indexer's inputs are detached, so the KL trains only the indexer
 and the LM loss never reaches it (its selection is not differentiable).
 
+With IndexCache's shared layers (``config.indexer_types``), a full layer's selection
+serves the shared layers after it too, so its target ``p`` is the mean of the
+distributions of every layer it serves (itself and those shared layers): the
+training-aware variant of Bai et al., "IndexCache" (arXiv 2603.12201).
+
 Typical use::
 
     params = configure_stage(model, "dense_warmup")
@@ -24,6 +29,7 @@ Typical use::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +53,8 @@ class TrainingLosses:
     """Scalar losses of one batch. ``loss`` is what to backpropagate: ``kl_weight *
     indexer_kl`` in the dense warm-up (``lm`` and ``mtp`` are then reported only),
     ``lm + mtp_weight * mtp + kl_weight * indexer_kl`` in sparse adaptation.
-    ``indexer_kl`` is the per-query mean KL, averaged over the attention calls (every
-    layer, and the MTP layer once per depth)."""
+    ``indexer_kl`` is the per-query mean KL, averaged over the indexers' calls (every
+    full layer, and the MTP layer once per depth)."""
 
     loss: torch.Tensor
     lm: torch.Tensor
@@ -69,8 +75,14 @@ def check_stage(stage: str) -> str:
 
 
 def indexer_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The lightning indexers' parameters (every layer's, MTP layers included)."""
-    return [p for m in model.modules() if isinstance(m, Attention) for p in m.indexer.parameters()]
+    """The lightning indexers' parameters (every full layer's, MTP layers included;
+    IndexCache's shared layers have none)."""
+    return [
+        p
+        for m in model.modules()
+        if isinstance(m, Attention) and m.indexer is not None
+        for p in m.indexer.parameters()
+    ]
 
 
 def configure_stage(model: nn.Module, stage: str) -> list[nn.Parameter]:
@@ -128,21 +140,45 @@ def attention_target(record: AttentionRecord, scale: float) -> torch.Tensor:
     return torch.cat(rows) if rows else q.new_zeros(indices.shape)
 
 
-def indexer_kl(attention: Attention, record: AttentionRecord) -> torch.Tensor:
-    """``KL(p || softmax(I))`` over the slots ``record.indices`` (every visible key in
-    the dense warm-up, the indexer's top-k in sparse adaptation), mean over queries.
+@torch.no_grad()
+def served_target(records: Sequence[AttentionRecord], scale: float) -> torch.Tensor:
+    """The mean ``[T, K]`` fp32 of :func:`attention_target` over ``records``: one
+    forward's records of the layers that attended the same slots (a full layer and the
+    shared layers reusing its selection), rows still summing to 1."""
+    indices = records[0].indices
+    if any(not torch.equal(r.indices, indices) for r in records[1:]):
+        raise ConfigError("served_target: the records attended different slots")
+    return torch.stack([attention_target(r, scale) for r in records]).mean(dim=0)
 
-    ``I`` is recomputed from the detached inputs in ``record``, so the gradient reaches
+
+def indexer_kl(attention: Attention, records: Sequence[AttentionRecord]) -> torch.Tensor:
+    """``KL(p || softmax(I))`` over the slots ``records[0].indices`` (every visible key
+    in the dense warm-up, the indexer's top-k in sparse adaptation), mean over queries.
+
+    ``records``: one forward's record of ``attention`` (a layer with an indexer), then
+    those of the shared layers it served; ``p`` is their :func:`served_target`. ``I``
+    is recomputed from the detached inputs in ``records[0]``, so the gradient reaches
     only ``attention.indexer``'s parameters. ``indexer_logits`` scores all ``[T, N]``
     pairs, so memory grows with ``T * N`` like the warm-up's dense attention.
     """
-    ix = attention.indexer
+    ix, record = attention.indexer, records[0]
     q, weights = ix.queries(record.h, record.q_res, record.cos, record.sin)
     keys = ix.keys(record.h, record.cos, record.sin)
     logits = ops.indexer_logits(q, keys, weights, record.k_start, record.k_end)  # [T, N]
     idx = record.indices.long()
     picked = logits.gather(1, idx.clamp(min=0)).masked_fill(idx < 0, -math.inf)
-    return kl_divergence(attention_target(record, attention.scale), picked)
+    return kl_divergence(served_target(records, attention.scale), picked)
+
+
+def served_attentions(model: GlmMoeDsaForCausalLM) -> dict[Attention, list[Attention]]:
+    """Each attention with an indexer -> the attentions that attend its selection:
+    itself, then IndexCache's shared layers reusing it (``config.indexer_source``)."""
+    layers = model.model.layers
+    out: dict[Attention, list[Attention]] = {}
+    for i, layer in enumerate(layers):
+        source = layers[model.config.indexer_source(i)].self_attn
+        out.setdefault(source, []).append(layer.self_attn)
+    return out
 
 
 # -- LM and MTP losses -------------------------------------------------------------
@@ -189,7 +225,7 @@ def _mtp_loss(
             break
         cos, sin = model.model.rope(batch.positions)
         x = layer.fuse(hidden.reshape(-1, hidden.shape[-1])[batch.flat], batch.ids)
-        x = layer(x, batch, cos, sin)
+        x, _ = layer(x, batch, cos, sin)  # an MTP layer runs its own indexer
         targets = _shift(labels, mask, k + 1, IGNORE_INDEX).reshape(-1)[batch.flat]
         losses.append(_nll(layer.shared_head.norm(x), layer.shared_head.head.weight, targets))
         hidden = batch.unpack(x)
@@ -241,7 +277,8 @@ def training_losses(
             f"{len(model.model.mtp_layers)} MTP layers; num_nextn_predict_layers)"
         )
     # Recording is local to this thread / task: a rollout sharing the model is unaffected.
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    served = served_attentions(model)
+    attentions = [a for group in served.values() for a in group]
     with record_attention(attentions, dense=warmup) as records:
         # Warm-up trains only the indexer, whose KL inputs are detached: no graph needed.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not warmup):
@@ -252,7 +289,12 @@ def training_losses(
             mtp = None
             if mtp_depth:
                 mtp = _mtp_loss(model, batch.unpack(hidden), input_ids, mask, labels, mtp_depth)
-        kls = [indexer_kl(a, r) for a, recs in records.items() for r in recs]
+        # One KL per indexer call; a shared layer's k-th record is of the same forward.
+        kls = [
+            indexer_kl(full, list(recs))
+            for full, group in served.items()
+            for recs in zip(*(records[a] for a in group), strict=True)
+        ]
     kl = torch.stack(kls).mean()
     if warmup:
         loss = kl_weight * kl

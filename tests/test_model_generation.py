@@ -205,7 +205,7 @@ def test_mtp_cached_steps_equal_the_mtp_layer_over_the_whole_sequence(model):
             h = model(s[None]).hidden_states[0, :-1]
             batch = pack(s[None, :-1])
             cos, sin = model.model.rope(batch.positions)
-            refs.append(mtp.logits(mtp(mtp.fuse(h, s[1:]), batch, cos, sin)))
+            refs.append(mtp.logits(mtp(mtp.fuse(h, s[1:]), batch, cos, sin)[0]))
             hidden.append(h)
     cache = PagedKVCache.for_config(model.config, 1, num_blocks=16, block_size=2)
     ids = [cache.add_sequence(), cache.add_sequence()]
@@ -374,7 +374,7 @@ def _reference_drafts(model, seq: list[int], k: int) -> list[int]:
         for _ in range(k):
             batch = pack(torch.zeros(1, x.shape[0], dtype=torch.long))
             cos, sin = model.model.rope(batch.positions)
-            g = mtp(x, batch, cos, sin)[-1:]
+            g = mtp(x, batch, cos, sin)[0][-1:]
             drafts.append(int(mtp.logits(g).argmax()))
             x = torch.cat((x, mtp.fuse(g, torch.tensor(drafts[-1:]))))
     return drafts

@@ -13,7 +13,6 @@ import torch
 from test_model_hf import HF_TINY, VARIANT, _batch, _hf_model
 
 import glmport
-from glmport.core.errors import ConfigError
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.cache import PagedKVCache, forward_cached
 from glmport.model.config import (
@@ -147,17 +146,16 @@ def test_indexer_types_are_derived_as_transformers_does(kwargs):
     hf = CLASSES["glm"](**{**HF_TINY, "num_hidden_layers": 4}, **kwargs)
     fields = {"num_hidden_layers": 4, **kwargs}
     assert indexer_types_of(fields) == hf.indexer_types
-    # A config with a shared layer is refused until IndexCache is implemented; one
-    # whose every layer runs its own indexer (transformers writes that by default) loads.
+    # glmport reads the list transformers writes, and derives the same one from a
+    # hand-written config that carries only the pattern / frequency keys.
     data = {**hf.to_dict(), "model_type": "glm_moe_dsa"}
-    if all(t == "full" for t in hf.indexer_types):
-        assert GlmMoeDsaConfig.from_dict(data).to_dict()["indexer_types"] == hf.indexer_types
-    else:
-        with pytest.raises(ConfigError, match=r"config field indexer_types = .* IndexCache"):
+    bare = {k: v for k, v in data.items() if k != "indexer_types"}
+    if hf.indexer_types[0] == "shared":  # no full layer before it: transformers' forward fails
+        with pytest.raises(glmport.ConfigError, match="config field indexer_types must start"):
             GlmMoeDsaConfig.from_dict(data)
-        bare = {k: v for k, v in data.items() if k != "indexer_types"}
-        with pytest.raises(ConfigError, match=r"IndexCache's shared-indexer layers"):
-            GlmMoeDsaConfig.from_dict(bare)
+        return
+    assert GlmMoeDsaConfig.from_dict(data).to_dict()["indexer_types"] == hf.indexer_types
+    assert GlmMoeDsaConfig.from_dict({**bare, **kwargs}).indexer_types == hf.indexer_types
 
 
 # -- honoured fields: logits equal to transformers' ------------------------------------
@@ -291,9 +289,6 @@ REFUSED_VALUES = {
     "topk_method": "greedy",
     "moe_layer_freq": 2,
     "rope_interleave": False,
-    "indexer_types": ["full", "shared", "full"],
-    "index_topk_pattern": "FSF",
-    "index_topk_freq": 2,
 }
 
 
@@ -304,16 +299,9 @@ def test_every_refused_field_has_a_case():
 @pytest.mark.parametrize("kind", ["glm", "dsv32"])
 @pytest.mark.parametrize("name", list(REFUSED_VALUES))
 def test_an_unimplemented_field_set_away_from_its_default_is_a_config_error(kind, name):
-    if name.startswith("index") and kind == "dsv32":
-        # transformers' DeepSeek-V3.2 reads none of IndexCache's keys: they change nothing
-        data = {**CLASSES[kind](**HF_TINY, **VARIANT[kind]).to_dict(), name: REFUSED_VALUES[name]}
-        assert GlmMoeDsaConfig.from_dict(data).to_dict()[name] == REFUSED_VALUES[name]
-        return
     settings = {**HF_TINY, **VARIANT[kind], name: REFUSED_VALUES[name]}
     data = CLASSES[kind](**settings).to_dict()
     data[name] = REFUSED_VALUES[name]  # as written, whatever transformers' class kept
-    if name.startswith("index_topk"):  # as a hand-written config: without the derived list
-        data.pop("indexer_types", None)
     with pytest.raises(glmport.ConfigError, match=f"config field {name} = ") as err:
         GlmMoeDsaConfig.from_dict(data)
     assert "not implemented" in str(err.value)

@@ -152,7 +152,7 @@ def test_absorbed_attention_after_quantisation() -> None:
     cos, sin = model.model.rope(batch.positions)
     h = torch.randn(batch.ids.shape[0], 64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        full = attn(h, batch, cos, sin)
+        full, _ = attn(h, batch, cos, sin)
         p = attn.project(h, cos, sin)
         keys = attn.indexer.keys(h, cos, sin)
         slots = attn.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
@@ -200,7 +200,7 @@ def test_float_modules_and_mtp_layer() -> None:
     def draft(m: GlmMoeDsaForCausalLM, layer) -> torch.Tensor:
         with torch.no_grad():
             hidden = m(ids[:, :-1]).hidden_states.reshape(-1, 64)
-            return layer.logits(layer(layer.fuse(hidden, batch.ids), batch, cos, sin))
+            return layer.logits(layer(layer.fuse(hidden, batch.ids), batch, cos, sin)[0])
 
     out, ref = draft(model, mtp), draft(float_model, float_mtp)
     assert out.shape == (2 * (SEQ - 1), 128) and torch.isfinite(out).all()

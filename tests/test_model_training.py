@@ -174,7 +174,7 @@ def test_mtp_loss_predicts_token_i_plus_k_plus_1_recursively():
             batch = pack(ids[:, k:])
             cos, sin = model.model.rope(batch.positions)
             x = mtp.fuse(h[:, :-1].reshape(-1, h.shape[-1]), batch.ids)
-            x = mtp(x, batch, cos, sin)
+            x = mtp(x, batch, cos, sin)[0]
             h = batch.unpack(x)
             expected.append(
                 F.cross_entropy(mtp.logits(h[:, :-1]).flatten(0, 1), ids[:, k + 1 :].flatten())
