@@ -1,6 +1,6 @@
 """The ``glmport`` command line: ``glmport info [--json]``, ``glmport conformance``,
-``glmport diff``, ``glmport generate``, ``glmport export onnx|tvm``,
-``glmport rl train|serve|agent``.
+``glmport diff``, ``glmport generate``, ``glmport indexcache search``,
+``glmport export onnx|tvm``, ``glmport rl train|serve|agent``.
 
 Bad input never ends in a traceback: a malformed argument, ``GLMPORT_*`` variable,
 checkpoint or selection is one line on stderr, ``glmport: error: ...``, and exit
@@ -14,15 +14,19 @@ glmport or a backend and keeps its traceback, so it can be reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from glmport.core import environment
 from glmport.core.environment import versions
 from glmport.core.errors import ConfigError, GlmportError
+
+if TYPE_CHECKING:
+    from glmport.model.indexcache import Evaluation, SearchStep
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # the shell's convention for a SIGINT
@@ -475,6 +479,114 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_indexcache_search(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    import glmport
+    from glmport.model.indexcache import (
+        check_search,
+        pattern_string,
+        random_calibration,
+        read_calibration,
+        search,
+    )
+
+    _check_environment()
+    out = Path(args.out or f"{Path(args.model)}-indexcache-{args.keep}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty folder; choose another --out")
+    model = _load_model(args.model)
+    config = model.config
+    check_search(config, args.keep)  # before reading a calibration file
+    if args.calib is not None:
+        sequences = read_calibration(args.calib, config.vocab_size)
+    else:
+        sequences = random_calibration(args.random, args.seq_len, config.vocab_size, args.seed)
+    if max(map(len, sequences)) <= config.index_topk:
+        print(
+            f"glmport: warning: no calibration sequence is longer than index_topk "
+            f"({config.index_topk}): every indexer selects every visible key, so every "
+            "pattern gives the same loss",
+            file=sys.stderr,
+        )
+    start = pattern_string(config.indexer_types)
+
+    def on_evaluation(ev: Evaluation) -> None:
+        progress(ev)
+        if ev.layer is None and not args.json:
+            print(f"baseline: loss {ev.loss:.6f}, pattern {start}")
+
+    began = time.perf_counter()
+    with glmport.use_backend(args.backend or None), _search_progress(args.json) as progress:
+        result = search(
+            model,
+            sequences,
+            args.keep,
+            on_evaluation=on_evaluation,
+            on_step=None if args.json else _print_step,
+        )
+    seconds = time.perf_counter() - began
+    model.save_pretrained(out)
+    if args.json:
+        print(json.dumps({**result.to_dict(), "out": str(out), "seconds": seconds}))
+        return 0
+    if not result.steps:
+        print(f"no step: the model has {args.keep} full layers already")
+    print(f"pattern {result.pattern} saved to {out} (search {seconds:.1f} s)")
+    return 0
+
+
+def _print_step(step: SearchStep) -> None:
+    print(
+        f"layer {step.layer} shared: loss {step.loss:.6f} ({step.delta:+.6f}), "
+        f"pattern {step.pattern}"
+    )
+
+
+@contextlib.contextmanager
+def _search_progress(on_stderr: bool) -> Iterator[Callable[[Evaluation], None]]:
+    """A callback for each loss the search measures (an ``Evaluation``): a rich progress
+    bar on a terminal when rich is installed (on stderr when stdout carries JSON; on
+    stdout, lines printed go above it), else one plain line per evaluation on stderr."""
+    from glmport.core.extras import missing
+
+    def describe(ev: Evaluation) -> str:
+        return "baseline" if ev.layer is None else f"layer {ev.layer} shared"
+
+    console = None
+    if not missing("rich"):
+        from rich.console import Console
+
+        console = Console(stderr=on_stderr)
+    if console is None or not console.is_terminal:  # a log file gets lines, not a bar
+        yield lambda ev: print(
+            f"  [{ev.done}/{ev.total}] {describe(ev)}: loss {ev.loss:.6f}", file=sys.stderr
+        )
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("[bold]indexcache search[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=None)
+        yield lambda ev: bar.update(
+            task, completed=ev.done, total=ev.total, description=describe(ev)
+        )
+
+
 def _overrides(text: str) -> dict:
     """``key=value,...`` model config overrides; values are ints, floats or words."""
     out: dict = {}
@@ -908,6 +1020,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", default=None, help="glmport backend (default: the selection)")
     gen.add_argument("--json", action="store_true", help="print machine-readable JSON")
     gen.set_defaults(func=_cmd_generate)
+
+    ic = sub.add_parser("indexcache", help="IndexCache: choose which layers keep their indexer")
+    ic_sub = ic.add_subparsers(dest="indexcache_command", required=True)
+    ics = ic_sub.add_parser(
+        "search",
+        help="greedy search for the K layers that keep their indexer (IndexCache)",
+        description="IndexCache's training-free greedy search (Bai et al., arXiv 2603.12201): "
+        "from the checkpoint's pattern, repeatedly make shared the full layer (never layer "
+        "0) whose sharing raises the language-modelling loss on the calibration set least, "
+        "until K full layers remain; print each step's loss and pattern and save the model "
+        "with that pattern (the shared layers' indexer weights dropped) to --out.",
+    )
+    ics.add_argument("--model", required=True, help="'tiny' (random, seed 0) or a checkpoint dir")
+    calib = ics.add_mutually_exclusive_group(required=True)
+    calib.add_argument(
+        "--calib", default=None, metavar="FILE", help="token ids, one sequence per line"
+    )
+    calib.add_argument("--random", type=_positive, metavar="N", help="N random sequences")
+    ics.add_argument(
+        "--seq-len", type=_positive, default=64, help="length of --random's sequences (64)"
+    )
+    ics.add_argument("--seed", type=_seed, default=0, help="seed of --random's tokens (0)")
+    ics.add_argument("--keep", type=_positive, required=True, metavar="K", help="full layers kept")
+    ics.add_argument(
+        "--out", default=None, help="folder for the copy (default: <model>-indexcache-<K>)"
+    )
+    ics.add_argument("--backend", default=None, help="glmport backend (default: the selection)")
+    ics.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    ics.set_defaults(func=_cmd_indexcache_search)
 
     exp = sub.add_parser(
         "export",
