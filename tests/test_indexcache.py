@@ -309,3 +309,29 @@ def test_dense_warmup_trains_the_full_layers_indexers_only():
     assert torch.isfinite(losses.loss) and float(losses.indexer_kl.detach()) > 0
     assert all(p.grad is not None for p in params)  # layers 0, 3 and the MTP layer
     assert all(layer.self_attn.indexer is None for layer in model.model.layers[1:3])
+
+
+def test_quantised_shared_layers_keep_attending_their_full_layers_selection():
+    """quantize_model packs a model with shared layers (they have no indexer to
+    quantise); the quantised model's shared layers still attend exactly the slots
+    their full layer selected, and its cached decode equals its full forward."""
+    from glmport.model.quantize import quantize_model
+
+    quantised = GlmMoeDsaForCausalLM.from_config(CONFIG, seed=0).eval()
+    quantize_model(quantised, experts="w4a8", dense="w8a8")
+    assert [a.indexer is None for a in _attentions(quantised)] == [False, True, True, False]
+    ids = _ids(20)
+    with record_attention(_attentions(quantised)) as records, torch.no_grad():
+        full = quantised(ids[None]).logits[0]
+    slots = [records[a][0].indices for a in _attentions(quantised)]
+    assert torch.equal(slots[1], slots[0]) and torch.equal(slots[2], slots[0])
+    assert not torch.equal(slots[3], slots[0])  # layer 3 runs its own indexer
+    cache = PagedKVCache.for_config(quantised.config, 4, num_blocks=8, block_size=4)
+    seq = cache.add_sequence()
+    got = [forward_cached(quantised, cache, [seq], [ids[:6]]).logits]
+    got += [forward_cached(quantised, cache, [seq], [ids[i : i + 1]]).logits for i in range(6, 20)]
+    assert (torch.cat(got) - full).abs().max() <= 1e-3  # activations quantised per call
+
+
+def _attentions(m: GlmMoeDsaForCausalLM) -> list:
+    return [layer.self_attn for layer in m.model.decoder_layers]
