@@ -165,6 +165,25 @@ def test_a_checkpoint_with_shared_layers_matches_transformers(saved, seq_len):
     assert (got - want).abs()[valid].max() <= TOL
 
 
+def test_shared_layers_with_deepseek_yarn_match_transformers(tmp_path):
+    """The issue's two halves in one checkpoint: layers F S S F and DeepSeek-V3.2's
+    YaRN (its original length cut to 8, so 24 positions reach 3x beyond it)."""
+    from test_model_hf_fields import DSV32_YARN
+
+    hf = _hf_model(
+        "glm", num_hidden_layers=4, index_topk_pattern="FSSF", rope_parameters=DSV32_YARN
+    )
+    hf.save_pretrained(tmp_path)
+    ours = GlmMoeDsaForCausalLM.from_pretrained(tmp_path)
+    assert ours.config.indexer_types == FSSF and ours.config.rope_scaling["rope_type"] == "yarn"
+    ids, mask = _batch(24)
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = ours(ids, mask).logits
+    valid = mask.bool()
+    assert (got - want).abs()[valid].max() <= TOL
+
+
 def test_save_and_load_round_trip_and_transformers_reads_the_config(saved, tmp_path):
     _, ours, _ = saved
     ours.save_pretrained(tmp_path)
