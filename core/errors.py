@@ -60,3 +60,16 @@ class UnknownBackendError(BackendUnavailableError):
             f"unknown glmport backend {name!r}{where}; valid backends: "
             f"{', '.join(self.valid)}, or 'auto'"
         )
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` when it is an int (a bool is not: ``True`` as a count is a mistake, not
+    a 1) of at least ``minimum``; else a :class:`ConfigError` saying ``"<name> must be an
+    int >= <minimum>, got <value>"``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}"
+        )
+    if value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, UnsupportedError
+from .errors import ConfigError, UnsupportedError, check_int
 from .selection import current_settings, resolve, selected_device
 from .validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
 
@@ -72,8 +72,7 @@ class ExpertParallel(abc.ABC):
             raise ConfigError(
                 "expert parallelism needs torch.distributed initialised (init_process_group)"
             )
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-            raise ConfigError(f"num_experts must be an int >= 1, got {num_experts!r}")
+        check_int("num_experts", num_experts, 1)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

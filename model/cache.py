@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.errors import ConfigError, GlmportError, check_int
 
 from .choices import active_tape
 from .config import GlmMoeDsaConfig
@@ -70,8 +70,7 @@ class PagedKVCache:
             ("num_blocks", num_blocks),
             ("block_size", block_size),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"PagedKVCache: {name} must be an int >= 1, got {value!r}")
+            check_int(f"PagedKVCache: {name}", value, 1)
         self.block_size = block_size
         self.num_blocks = num_blocks
         slots = num_blocks * block_size
@@ -192,8 +191,7 @@ class PagedKVCache:
     def append_batch(self, seqs: Sequence[int], counts: Sequence[int]) -> list[torch.Tensor]:
         """:meth:`append` for several sequences, all or nothing."""
         for seq, n in zip(seqs, counts, strict=True):
-            if not isinstance(n, int) or n < 0:
-                raise ConfigError(f"PagedKVCache: token count must be an int >= 0, got {n!r}")
+            check_int("PagedKVCache: token count", n, 0)
             self._check(seq)
         if len(set(seqs)) != len(seqs):
             raise ConfigError(f"PagedKVCache: a sequence appears twice in {list(seqs)}")

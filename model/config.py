@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glmport.core.errors import ConfigError
+from glmport.core.errors import ConfigError, check_int
 
 GLM_MOE_DSA = "glm_moe_dsa"
 DEEPSEEK_V32 = "deepseek_v32"
@@ -67,12 +67,7 @@ def _show(value: object) -> str:
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is an int subclass: JSON true where a size goes is a mistake, not 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"config field {name} must be an integer, got {_show(value)}")
-    if value < minimum:
-        kind = "positive" if minimum == 1 else "non-negative"
-        raise ConfigError(f"config field {name} must be {kind}, got {value}")
+    check_int(f"config field {name}", value, minimum)
 
 
 def _check_float(name: str, value: object, above: float | None) -> None:

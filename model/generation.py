@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import glmport.ops as ops
-from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.errors import ConfigError, GlmportError, check_int
 
 from .cache import PagedKVCache, StepOutput, forward_cached, mtp_forward_cached
 from .choices import Choices, ChoiceTape, choice_tape
@@ -129,8 +129,7 @@ def validate_generation(
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if not is_int(max_new_tokens) or max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 0)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ConfigError("prompts must be a non-empty list of token id lists")
     for i, prompt in enumerate(prompts):
@@ -151,8 +150,7 @@ def validate_generation(
         )
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ConfigError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise ConfigError(f"top_k must be an int >= 0 (0: no top-k filter), got {top_k!r}")
+    check_int("top_k", top_k, 0)  # 0: no top-k filter
     if speculative and not greedy:
         raise ConfigError("speculative decoding is greedy only; pass greedy=True")
     if speculative and not model.config.num_nextn_predict_layers:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.errors import ConfigError, GlmportError, check_int
 from glmport.rl.agent_env import AgentEnv, AgentProblem, Trajectory, Turn
 from glmport.rl.context import ContextStrategy, FullContext
 
@@ -192,8 +192,7 @@ def run_episode(
     max_turns = env.max_turns if max_turns is None else max_turns
     max_new = env.max_new_tokens if max_new_tokens is None else max_new_tokens
     for name, value in (("max_turns", max_turns), ("max_new_tokens", max_new)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"argument '{name}' must be an int >= 1, got {value!r}")
+        check_int(f"argument '{name}'", value, 1)
     trajectory = Trajectory(problem)
     for i in range(max_turns):
         view = context(problem.prompt, trajectory.turns, env.vocab.fold)
@@ -293,8 +292,7 @@ def run_episodes(
     """Play ``episodes`` episodes, one gateway session each
     (``f"{session_prefix}-{seed}-{e}"``); problems and request seeds are drawn from a
     generator seeded with ``seed``, so a run is reproducible on the same gateway."""
-    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
-        raise ConfigError(f"argument 'episodes' must be an int >= 1, got {episodes!r}")
+    check_int("argument 'episodes'", episodes, 1)
     generator = torch.Generator().manual_seed(seed)
     out = []
     for e in range(episodes):

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmport.core.errors import ConfigError
-from glmport.rl.tasks import check_int
+from glmport.core.errors import ConfigError, check_int
 
 __all__ = [
     "AGENT_TASKS",
@@ -61,7 +60,7 @@ class AgentVocab:
     base: int = 10
 
     def __post_init__(self) -> None:
-        check_int("base", self.base, 2)
+        check_int("argument 'base'", self.base, 2)
 
     def _special(self, name: str) -> int:
         return self.base + _SPECIALS.index(name)
@@ -274,17 +273,17 @@ class AgentEnv:
                 f"argument 'task': unknown agent task {task!r}; valid: {', '.join(AGENT_TASKS)}"
             )
         self.task = task
-        self.terms = check_int("terms", terms, 2)
-        self.digits = check_int("digits", digits, 1)
+        self.terms = check_int("argument 'terms'", terms, 2)
+        self.digits = check_int("argument 'digits'", digits, 1)
         self.vocab = AgentVocab(base)
         self.base = base
-        self.max_turns = check_int("max_turns", max_turns, 1)
+        self.max_turns = check_int("argument 'max_turns'", max_turns, 1)
         self.width = len(self._to_digits(self.terms * (base**self.digits - 1), 0))
         longest = 2 * self.width + 3
         self.max_new_tokens = check_int(
-            "max_new_tokens", longest if max_new_tokens is None else max_new_tokens, 1
+            "argument 'max_new_tokens'", longest if max_new_tokens is None else max_new_tokens, 1
         )
-        self.max_context = check_int("max_context", max_context, 1)
+        self.max_context = check_int("argument 'max_context'", max_context, 1)
         prompt_len = 2 + self.terms * (self.digits if task == "add" else 1) + self.terms - 1
         if prompt_len + self.max_new_tokens > self.max_context:
             raise ConfigError(

@@ -29,9 +29,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from glmport.core.errors import ConfigError
+from glmport.core.errors import ConfigError, check_int
 from glmport.rl.agent_env import Turn
-from glmport.rl.tasks import check_int
 
 __all__ = [
     "ContextStrategy",
@@ -101,7 +100,7 @@ class KeepRecent(ContextStrategy):
     k: int
 
     def __post_init__(self) -> None:
-        check_int("k", self.k, 0)
+        check_int("argument 'k'", self.k, 0)
 
     def __call__(self, prompt: Sequence[int], turns: Sequence[Turn], fold: int) -> ContextView:
         """Prompt + folded older turns + the last ``k`` turns in full."""
@@ -130,7 +129,7 @@ class DiscardAll(ContextStrategy):
     inner: ContextStrategy = FullContext()
 
     def __post_init__(self) -> None:
-        check_int("threshold", self.threshold, 1)
+        check_int("argument 'threshold'", self.threshold, 1)
 
     def __call__(self, prompt: Sequence[int], turns: Sequence[Turn], fold: int) -> ContextView:
         """Replays the episode: after each turn the context since the last restart is

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.errors import ConfigError, GlmportError, check_int
 
 from .workers import RolloutWorker
 
@@ -55,8 +55,7 @@ class HashRing:
     worker moves only the keys it owned; adding one takes keys only from the others."""
 
     def __init__(self, nodes: Iterable[int], *, vnodes: int = VIRTUAL_NODES) -> None:
-        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
-            raise ConfigError(f"HashRing: vnodes must be an int >= 1, got {vnodes!r}")
+        check_int("HashRing: vnodes", vnodes, 1)
         self.vnodes = vnodes
         self._points: list[int] = []
         self._owners: list[int] = []

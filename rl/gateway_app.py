@@ -25,7 +25,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.errors import ConfigError, GlmportError, check_int
 
 from .gateway import HashRing, WorkerUnavailable
 from .sessions import check_request
@@ -114,8 +114,7 @@ def create_app(
         ("max_body_bytes", max_body_bytes),
         ("max_new_tokens_limit", max_new_tokens_limit),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"create_app: {name} must be an int >= 1, got {value!r}")
+        check_int(f"create_app: {name}", value, 1)
     app = FastAPI(title="glmport token-in-token-out gateway", docs_url=None, redoc_url=None)
     ring = HashRing(range(pool.size))
     app.state.pool, app.state.ring = pool, ring

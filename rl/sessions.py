@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glmport.core.errors import ConfigError
+from glmport.core.errors import ConfigError, check_int
 from glmport.model.cache import PagedKVCache, forward_cached
 from glmport.model.generation import (
     DecodeRun,
@@ -62,10 +62,7 @@ def check_request(
     not an int >= 1, or ``input_ids`` + ``max_new_tokens`` beyond ``max_positions``."""
     check_token_ids("input_ids", input_ids, vocab_size, non_empty=True)
     check_token_ids("stop_tokens", stop_tokens, vocab_size, non_empty=False)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_int("max_new_tokens", max_new_tokens, 1)
     if len(input_ids) + max_new_tokens > max_positions:
         raise ConfigError(
             f"input_ids ({len(input_ids)} tokens) + max_new_tokens {max_new_tokens} "
@@ -112,8 +109,7 @@ class SessionStore:
         cache_tokens: int | None = None,
     ) -> None:
         for name, value in (("max_sessions", max_sessions), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"SessionStore: {name} must be an int >= 1, got {value!r}")
+            check_int(f"SessionStore: {name}", value, 1)
         self.model = model
         self.max_sessions = max_sessions
         limit = model.config.max_position_embeddings

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.errors import ConfigError, GlmportError, check_int
 
 EVENTS = (
     "issued",  # a new group id and its prompt
@@ -56,9 +56,7 @@ class StalenessManager:
 
     def __post_init__(self) -> None:
         for name, low in (("batch", 1), ("max_staleness", 0), ("max_concurrent", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, getattr(self, name), low)
 
     def capacity(self, version: int) -> int:
         """Groups that may be dispatched now, with the trainer at ``version``."""

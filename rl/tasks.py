@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from glmport.core.errors import ConfigError
+from glmport.core.errors import ConfigError, check_int
 
 __all__ = [
     "TASKS",
@@ -37,19 +37,6 @@ class Problem:
 
     prompt: tuple[int, ...]
     answer: tuple[int, ...]
-
-
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``; else a ConfigError naming
-    argument ``name``."""
-    # bool is an int subclass; True as a digit count is a mistake, not a 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(
-            f"argument '{name}' must be an int >= {minimum}, got {type(value).__name__} {value!r}"
-        )
-    if value < minimum:
-        raise ConfigError(f"argument '{name}' must be an int >= {minimum}, got {value}")
-    return value
 
 
 class Task(ABC):
@@ -117,7 +104,7 @@ class Task(ABC):
         return hits / self.response_len
 
     def _digits(self, n: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        check_int("n", n, 0)
+        check_int("argument 'n'", n, 0)
         return torch.randint(0, self.base, (n, width), generator=generator, dtype=torch.int64)
 
 
@@ -130,8 +117,8 @@ class ReverseTask(Task):
 
     def __init__(self, digits: int = 3, base: int = 10) -> None:
         self.name = "reverse"
-        self.digits = check_int("digits", digits, 1)
-        self.base = check_int("base", base, 2)
+        self.digits = check_int("argument 'digits'", digits, 1)
+        self.base = check_int("argument 'base'", base, 2)
         self.vocab_size = self.base + 2
         self.prompt_len = self.digits + 1
         self.response_len = self.digits
@@ -163,8 +150,8 @@ class AdditionTask(Task):
 
     def __init__(self, digits: int = 2, base: int = 10) -> None:
         self.name = "add"
-        self.digits = check_int("digits", digits, 1)
-        self.base = check_int("base", base, 2)
+        self.digits = check_int("argument 'digits'", digits, 1)
+        self.base = check_int("argument 'base'", base, 2)
         self.vocab_size = self.base + 2
         self.prompt_len = 2 * self.digits + 2
         self.response_len = self.digits + 1

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import glmport
-from glmport.core.errors import ConfigError
+from glmport.core.errors import ConfigError, check_int
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.choices import KINDS
 from glmport.model.generation import generate
@@ -137,9 +137,7 @@ class RLConfig:
         lowest.update(checkpoint_every=1, eval_every=0, eval_prompts=1, kl_decay_steps=0)
         lowest.update(max_staleness=0, rollout_workers=1, publish_every=1)
         for name, low in lowest.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, getattr(self, name), low)
         if self.minibatches > self.prompts_per_step * self.group_size:
             raise ConfigError(
                 f"minibatches ({self.minibatches}) exceeds the samples per step "

@@ -177,7 +177,7 @@ def test_clear_frees_every_session(model):
             dict(input_ids=[1] * 4090, max_new_tokens=7),
             r"input_ids \(4090 tokens\) \+ max_new_tokens 7 exceeds max_position_embeddings 4096",
         ),
-        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
         (dict(max_new_tokens=2.0), "max_new_tokens must be an int"),
         (dict(temperature=-1.0), "temperature must be >= 0"),
         (dict(top_p=0.0), "top_p must lie in"),
