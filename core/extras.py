@@ -55,3 +55,28 @@ def require(what: str, *modules: str) -> None:
         extras, command = _install(absent)
         names = ", ".join(EXTRAS[m][0] for m in absent)
         raise ConfigError(f"{what} needs the {extras} extra ({names} not installed): {command}")
+
+
+def progress_bar(label: str, *text_columns: str, console: object = None, transient: bool = False):
+    """A rich ``Progress`` in glmport's layout: ``label`` and the task's description, the
+    bar, done / total, elapsed and remaining time, then ``text_columns`` (rich format
+    strings such as ``"{task.fields[live]}"``). Needs rich (the ``rl`` extra)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn(f"[bold]{label}[/] {{task.description}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        *(TextColumn(text) for text in text_columns),
+        console=console,
+        transient=transient,
+    )

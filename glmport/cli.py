@@ -549,7 +549,7 @@ def _search_progress(on_stderr: bool) -> Iterator[Callable[[Evaluation], None]]:
     """A callback for each loss the search measures (an ``Evaluation``): a rich progress
     bar on a terminal when rich is installed (on stderr when stdout carries JSON; on
     stdout, lines printed go above it), else one plain line per evaluation on stderr."""
-    from glmport.core.extras import missing
+    from glmport.core.extras import missing, progress_bar
 
     def describe(ev: Evaluation) -> str:
         return "baseline" if ev.layer is None else f"layer {ev.layer} shared"
@@ -564,23 +564,7 @@ def _search_progress(on_stderr: bool) -> Iterator[Callable[[Evaluation], None]]:
             f"  [{ev.done}/{ev.total}] {describe(ev)}: loss {ev.loss:.6f}", file=sys.stderr
         )
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = (
-        TextColumn("[bold]indexcache search[/] {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
+    with progress_bar("indexcache search", console=console, transient=True) as bar:
         task = bar.add_task("", total=None)
         yield lambda ev: bar.update(
             task, completed=ev.done, total=ev.total, description=describe(ev)

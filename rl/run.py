@@ -96,24 +96,9 @@ def _read(path: Path) -> list[dict]:
 
 
 def _run_with_progress(trainer: Trainer, log: MetricsLog) -> None:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from glmport.core.extras import progress_bar
 
-    columns = (
-        TextColumn("[bold]rl[/] {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[live]}"),
-    )
-    with Progress(*columns, transient=False) as bar:
+    with progress_bar("rl", "{task.fields[live]}") as bar:
         task = bar.add_task(
             trainer.config.task,
             total=trainer.config.steps,
