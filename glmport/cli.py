@@ -426,6 +426,7 @@ def _load_model(spec: str, dtype: str = "fp32"):
 def _cmd_generate(args: argparse.Namespace) -> int:
     import glmport
     from glmport.model.generation import generate
+    from glmport.model.sampling import SamplingNames, check_sampling
 
     sampling = {
         flag: value
@@ -439,6 +440,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     }
     if args.greedy and sampling:
         raise ConfigError(f"--greedy cannot be combined with {', '.join(sampling)}")
+    params = check_sampling(
+        greedy=not sampling,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=args.top_k or 0,
+        seed=args.seed,
+        names=SamplingNames("--temperature", "--top-p", "--top-k", "--seed", "--greedy"),
+    )
     _check_environment()
     input_ids = _parse_ids(args.input_ids, "--input-ids")
     stop_tokens = _parse_ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens else []
@@ -448,11 +457,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             model,
             [input_ids],
             args.max_new_tokens,
-            greedy=not sampling,
-            temperature=1.0 if args.temperature is None else args.temperature,
-            top_p=1.0 if args.top_p is None else args.top_p,
-            top_k=args.top_k or 0,
-            seed=args.seed,
+            greedy=params.greedy,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
             stop_tokens=stop_tokens,
             speculative=args.speculative,
         )
@@ -732,6 +741,7 @@ def _cmd_rl_agent(args: argparse.Namespace) -> int:
 
     require("glmport rl agent", "httpx", *(() if args.gateway else ("fastapi", "uvicorn")))
 
+    from glmport.model.sampling import SamplingNames
     from glmport.rl.agent import (
         GatewayClient,
         episode_summary,
@@ -741,9 +751,11 @@ def _cmd_rl_agent(args: argparse.Namespace) -> int:
     )
     from glmport.rl.agent_env import AgentEnv
     from glmport.rl.context import parse_context
+    from glmport.rl.sessions import session_sampling
 
     if args.token and not args.gateway:
         raise ConfigError("--token is the bearer token of --gateway; the in-process one needs none")
+    session_sampling(args.temperature, names=SamplingNames(temperature="--temperature"))
     context = parse_context(args.context)
     env = AgentEnv(args.task, max_turns=args.max_turns, max_context=args.max_context)
     with ExitStack() as stack:

@@ -9,7 +9,6 @@ choices plus its next token, so its output is plain greedy decoding's.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -23,6 +22,7 @@ from glmport.core.errors import ConfigError, GlmportError, check_int
 
 from .cache import PagedKVCache, StepOutput, forward_cached, mtp_forward_cached
 from .choices import Choices, ChoiceTape, choice_tape
+from .sampling import Sampler, SamplingParams, check_sampling
 
 if TYPE_CHECKING:
     from .causal_lm import GlmMoeDsaForCausalLM
@@ -62,46 +62,6 @@ class GenerationResult:
     choices: list[Choices] | None = None
 
 
-class Sampler:
-    """Next-token choice from logits ``[B, V]``: argmax, or temperature / top-k / top-p
-    sampling with a ``torch.Generator`` seeded by ``seed`` (``None``: torch's global RNG).
-    """
-
-    def __init__(
-        self,
-        greedy: bool,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        seed: int | None,
-        device: torch.device,
-    ) -> None:
-        self.greedy, self.temperature, self.top_p, self.top_k = greedy, temperature, top_p, top_k
-        self.gen = None
-        if seed is not None:
-            self.gen = torch.Generator(device=device).manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[B]`` int64 token ids."""
-        if self.greedy:
-            return logits.argmax(dim=-1)
-        x = logits.float()
-        # Shift before scaling: at a tiny temperature the best token stays 0 (not inf)
-        # and the rest go to -inf, so sampling degrades to greedy instead of NaN.
-        x = (x - x.amax(dim=-1, keepdim=True)) / self.temperature
-        if self.top_k:
-            kth = x.topk(min(self.top_k, x.shape[-1]), dim=-1).values[:, -1:]
-            x = x.masked_fill(x < kth, -math.inf)
-        if self.top_p < 1.0:
-            order = x.argsort(dim=-1, descending=True)
-            probs = x.gather(-1, order).softmax(dim=-1)
-            # Keep the smallest head of the ranking whose mass reaches top_p (the best
-            # token always stays).
-            drop = probs.cumsum(dim=-1) - probs >= self.top_p
-            x = x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-        return torch.multinomial(x.softmax(dim=-1), 1, generator=self.gen).squeeze(1)
-
-
 def check_token_ids(what: str, row: object, vocab: int, *, non_empty: bool) -> None:
     """Refuse a ``row`` that is not a list of Python int token ids in ``[0, vocab)``
     (or is empty, when ``non_empty``), naming it as ``what``."""
@@ -117,18 +77,14 @@ def validate_generation(
     model,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    greedy: bool,
-    temperature: float,
-    top_p: float,
-    top_k: int,
+    sampling: SamplingParams,
     stop_tokens: Sequence[int],
     speculative: bool,
 ) -> None:
+    """Refuse (:class:`~glmport.core.errors.ConfigError` naming it) what ``generate``
+    cannot take besides the sampling parameters (``sampling``: already checked by
+    :func:`~glmport.model.sampling.check_sampling`)."""
     vocab = model.config.vocab_size
-
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     check_int("max_new_tokens", max_new_tokens, 0)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ConfigError("prompts must be a non-empty list of token id lists")
@@ -140,18 +96,8 @@ def validate_generation(
                 f"prompt {i} ({len(prompt)} tokens) + max_new_tokens {max_new_tokens} "
                 f"exceeds max_position_embeddings {limit}"
             )
-    bad = [t for t in stop_tokens if not is_int(t) or not 0 <= t < vocab]
-    if bad:
-        raise ConfigError(f"stop_tokens outside [0, {vocab}): {bad[:5]}")
-    if not greedy and not (isinstance(temperature, (int, float)) and 0 < temperature < math.inf):
-        raise ConfigError(
-            f"temperature must be finite and > 0 when sampling, got {temperature!r} "
-            "(use greedy=True for argmax decoding)"
-        )
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ConfigError(f"top_p must lie in (0, 1], got {top_p!r}")
-    check_int("top_k", top_k, 0)  # 0: no top-k filter
-    if speculative and not greedy:
+    check_token_ids("stop_tokens", stop_tokens, vocab, non_empty=False)
+    if speculative and not sampling.greedy:
         raise ConfigError("speculative decoding is greedy only; pass greedy=True")
     if speculative and not model.config.num_nextn_predict_layers:
         raise ConfigError("speculative decoding needs an MTP layer; this model has none")
@@ -198,9 +144,13 @@ def generate(
         model: a :class:`~glmport.model.GlmMoeDsaForCausalLM`.
         prompts: ``B`` non-empty lists of token ids (lengths may differ).
         max_new_tokens: new tokens per prompt at most (``0``: none).
-        greedy: argmax decoding; else sampling with ``temperature`` (``> 0``), ``top_k``
-            (``0``: off) and nucleus ``top_p`` (``1``: off).
-        seed: seeds the sampling generator (same seed, same output).
+        greedy: argmax decoding; else sampling with ``temperature`` (in ``[1e-6, 1e6]``),
+            ``top_k`` (``0``: off) and nucleus ``top_p`` (in ``(0, 1]``, ``1``: off; the
+            best token always stays, so ``top_p -> 0`` is greedy). The ranges and why:
+            :mod:`glmport.model.sampling`; outside them a
+            :class:`~glmport.model.sampling.SamplingParameterError` names the parameter.
+        seed: seeds the sampling generator (same seed, same output), an int in
+            ``[-2**63, 2**64)``.
         stop_tokens: a sequence ends after emitting one of these; the others continue.
         speculative: greedy MTP speculative decoding (same output as greedy).
         block_size: slots per paged-cache block.
@@ -221,9 +171,10 @@ def generate(
         :class:`GenerationResult`.
     """
     stop_tokens = tuple(stop_tokens)
-    validate_generation(
-        model, prompts, max_new_tokens, greedy, temperature, top_p, top_k, stop_tokens, speculative
+    sampling = check_sampling(
+        greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
+    validate_generation(model, prompts, max_new_tokens, sampling, stop_tokens, speculative)
     prompts = [list(p) for p in prompts]
     run = DecodeRun(len(prompts), max_new_tokens, stop_tokens)
     if speculative and (return_logprobs or record_choices or abort is not None):
@@ -243,14 +194,14 @@ def generate(
             model.config, layers, blocks, block_size, dtype=weight.dtype, device=weight.device
         )
 
-    sampler = Sampler(greedy, temperature, top_p, top_k, seed, weight.device)
+    sampler = Sampler(sampling, weight.device)
     logprobs: list[list[torch.Tensor]] | None = [[] for _ in prompts] if return_logprobs else None
     t0 = time.perf_counter()
     with choice_tape(model) if record_choices else nullcontext() as tape:
         if speculative:
             accepted, steps, t1 = _speculative(model, prompts, run, new_cache)
         else:
-            scorer = TokenScorer(model, 1.0 if greedy else temperature, logprobs)
+            scorer = TokenScorer(model, sampling.temperature, logprobs)
             t1 = _plain(model, prompts, run, new_cache, sampler, scorer, abort)
             accepted, steps = 0, 0
     t2 = time.perf_counter()
@@ -287,9 +238,20 @@ def _consumed_choices(
     return out
 
 
+class LogprobContractError(RuntimeError):
+    """``token_logprobs`` returned a log-probability that is not finite and ``<= 0`` for
+    a sampled token: a bug of the backend serving it, never of the caller's input (so
+    not a :class:`~glmport.core.errors.GlmportError`; the gateway answers 500)."""
+
+
 class TokenScorer:
     """The log-probabilities of sampled tokens, from a cached step's hidden states, by
-    ``token_logprobs`` (the op a trainer scores them with); a no-op when not asked."""
+    ``token_logprobs`` (the op a trainer scores them with); a no-op when not asked.
+
+    Every value it reports is finite and ``<= 0``: sampling parameters inside
+    :mod:`~glmport.model.sampling`'s ranges keep them so, and a backend that returns
+    anything else raises :class:`LogprobContractError` instead of being reported.
+    """
 
     def __init__(self, model, temperature: float, logprobs: list[list[torch.Tensor]] | None):
         self.model, self.temperature, self.logprobs = model, temperature, logprobs
@@ -300,7 +262,16 @@ class TokenScorer:
         hidden = self.model.model.norm(step.last(step.hidden))
         weight = self.model.lm_head.weight
         logp, _ = ops.token_logprobs(hidden, weight, tokens.to(weight.device), self.temperature)
-        for b, value in zip(batch, logp.float().cpu().split(1), strict=True):
+        logp = logp.float().cpu()
+        bad = ~(torch.isfinite(logp) & (logp <= 0))
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise LogprobContractError(
+                f"token_logprobs returned {float(logp[i])!r} for sampled token "
+                f"{int(tokens[i])} at temperature {self.temperature!r}; a log-probability is "
+                "finite and <= 0 (the backend serving token_logprobs is wrong: report it)"
+            )
+        for b, value in zip(batch, logp.split(1), strict=True):
             self.logprobs[b].append(value)
 
 

@@ -16,6 +16,7 @@ from glmport.core.errors import ConfigError
 from .choices import KINDS, Choices, choice_tape
 from .generation import check_token_ids
 from .modeling import pack
+from .sampling import check_sampling
 
 
 @dataclass
@@ -54,7 +55,8 @@ def continuation_logprobs(
         model: a :class:`~glmport.model.GlmMoeDsaForCausalLM`.
         prompts: ``B`` non-empty token id lists.
         continuations: ``B`` token id lists (may be empty).
-        temperature: the sampling temperature the continuations were drawn at.
+        temperature: the sampling temperature the continuations were drawn at, in
+            :func:`~glmport.model.sampling.check_sampling`'s range ``[1e-6, 1e6]``.
         replay: per sequence (index ``b``), recorded choices to replay (for example
             :attr:`GenerationResult.choices`); each must cover the consumed tokens.
         kinds: which kinds of ``replay`` to use (``"routing"``, ``"indices"``).
@@ -113,8 +115,7 @@ def _check(model, prompts, continuations, temperature) -> None:
         raise ConfigError(
             f"continuations must be a list with one token id list per prompt ({len(prompts)})"
         )
-    if not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ConfigError(f"temperature must be finite and > 0, got {temperature!r}")
+    check_sampling(temperature=temperature)  # the range the continuations were sampled in
     limit = model.config.max_position_embeddings
     for b, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
         check_token_ids(f"prompt {b}", p, vocab, non_empty=True)

@@ -24,6 +24,7 @@ import torch
 from glmport.core.errors import ConfigError, GlmportError, check_int
 from glmport.rl.agent_env import AgentEnv, AgentProblem, Trajectory, Turn
 from glmport.rl.context import ContextStrategy, FullContext
+from glmport.rl.sessions import session_sampling
 
 __all__ = [
     "GatewayClient",
@@ -193,6 +194,7 @@ def run_episode(
     max_new = env.max_new_tokens if max_new_tokens is None else max_new_tokens
     for name, value in (("max_turns", max_turns), ("max_new_tokens", max_new)):
         check_int(f"argument '{name}'", value, 1)
+    session_sampling(temperature, top_p, top_k, seed)  # refused here, before any request
     trajectory = Trajectory(problem)
     for i in range(max_turns):
         view = context(problem.prompt, trajectory.turns, env.vocab.fold)

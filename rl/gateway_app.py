@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from glmport.core.errors import ConfigError, GlmportError, check_int
 
 from .gateway import HashRing, WorkerUnavailable
-from .sessions import check_request
+from .sessions import check_request, session_sampling
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ MAX_ERRORS_SHOWN = 5
 class GenerateRequest(BaseModel):
     """``POST /generate``'s body. ``input_ids``: the session's whole token list so far.
     ``temperature`` 0: greedy (argmax, log-probabilities at temperature 1); else sampling
-    with ``top_k`` (0: off), ``top_p`` (1: off) and ``seed`` (none: unseeded)."""
+    at ``temperature`` in ``[1e-6, 1e6]`` with ``top_k`` (0: off), ``top_p`` in ``(0, 1]``
+    (1: off) and ``seed`` (none: unseeded; else 64 bits), checked by
+    :func:`~glmport.rl.sessions.session_sampling`."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -53,10 +55,11 @@ class GenerateRequest(BaseModel):
     session_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     request_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     max_new_tokens: int = Field(ge=1)
-    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    # Types only: their ranges are check_sampling's (one rule for every caller).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
     stop_tokens: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKENS)
 
     def sampling(self) -> dict:
@@ -201,7 +204,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _check_limits(req: GenerateRequest, pool, max_new_tokens_limit: int) -> str | None:
-    """The problem with a parsed request's ids and lengths, or None."""
+    """The problem with a parsed request's ids, lengths and sampling parameters, or None."""
     if req.max_new_tokens > max_new_tokens_limit:
         return (
             f"max_new_tokens: {req.max_new_tokens} exceeds this gateway's limit "
@@ -215,6 +218,7 @@ def _check_limits(req: GenerateRequest, pool, max_new_tokens_limit: int) -> str 
             vocab_size=pool.vocab_size,
             max_positions=pool.max_positions,
         )
+        session_sampling(req.temperature, req.top_p, req.top_k, req.seed)
     except ConfigError as err:
         return str(err)
     return None

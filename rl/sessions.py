@@ -14,21 +14,23 @@ token has not been fed to the model yet, so the next turn (which starts with it)
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from glmport.core.errors import ConfigError, check_int
 from glmport.model.cache import PagedKVCache, forward_cached
-from glmport.model.generation import (
-    DecodeRun,
+from glmport.model.generation import DecodeRun, TokenScorer, check_token_ids, validate_generation
+from glmport.model.sampling import (
+    PYTHON_NAMES,
     Sampler,
-    TokenScorer,
-    check_token_ids,
-    validate_generation,
+    SamplingNames,
+    SamplingParams,
+    check_sampling,
 )
 
 # Default cache room per session, in tokens: enough for agent turns on the toy tasks,
@@ -68,6 +70,28 @@ def check_request(
             f"input_ids ({len(input_ids)} tokens) + max_new_tokens {max_new_tokens} "
             f"exceeds max_position_embeddings {max_positions}"
         )
+
+
+def session_sampling(
+    temperature: object = 1.0,
+    top_p: object = 1.0,
+    top_k: object = 0,
+    seed: object = None,
+    *,
+    names: SamplingNames = PYTHON_NAMES,
+) -> SamplingParams:
+    """The gateway's sampling parameters, checked by
+    :func:`~glmport.model.sampling.check_sampling`: ``temperature`` 0 means greedy (so the
+    greedy spelling in its errors is ``temperature 0``), any other goes to the check."""
+    zero = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+    return check_sampling(
+        greedy=zero and temperature == 0,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        names=replace(names, greedy=f"{names.temperature} 0"),
+    )
 
 
 @dataclass
@@ -172,9 +196,11 @@ class SessionStore:
         ``temperature == 0`` means greedy (argmax; log-probabilities at temperature 1,
         as ``generate(greedy=True)``); else sampling at ``temperature`` with ``top_k``
         (``0``: off) and ``top_p`` (``1``: off), seeded by ``seed`` (``None``: torch's
-        global RNG). Raises :class:`~glmport.core.errors.ConfigError` naming the bad
-        argument (ids outside the vocabulary, empty input, input + ``max_new_tokens``
-        beyond ``max_position_embeddings``...).
+        global RNG), in the ranges of :mod:`glmport.model.sampling`
+        (:func:`session_sampling`). Raises :class:`~glmport.core.errors.ConfigError`
+        naming the bad argument (ids outside the vocabulary, empty input, input +
+        ``max_new_tokens`` beyond ``max_position_embeddings``, a sampling parameter out
+        of range...).
         """
         if not isinstance(session_id, str) or not session_id:
             raise ConfigError(f"session_id must be a non-empty string, got {session_id!r}")
@@ -186,47 +212,19 @@ class SessionStore:
             vocab_size=config.vocab_size,
             max_positions=config.max_position_embeddings,
         )
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
-            raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
-        if temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
-        greedy = temperature == 0
+        sampling = session_sampling(temperature, top_p, top_k, seed)
         stop_tokens = tuple(stop_tokens)
         input_ids = list(input_ids)
-        validate_generation(
-            self.model,
-            [input_ids],
-            max_new_tokens,
-            greedy,
-            temperature,
-            top_p,
-            top_k,
-            stop_tokens,
-            False,
-        )
+        validate_generation(self.model, [input_ids], max_new_tokens, sampling, stop_tokens, False)
         with self._lock, torch.no_grad():
-            return self._generate(
-                session_id,
-                input_ids,
-                max_new_tokens,
-                greedy,
-                temperature,
-                top_p,
-                top_k,
-                seed,
-                stop_tokens,
-            )
+            return self._generate(session_id, input_ids, max_new_tokens, sampling, stop_tokens)
 
     def _generate(
         self,
         session_id: str,
         input_ids: list[int],
         max_new_tokens: int,
-        greedy: bool,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        seed: int | None,
+        sampling: SamplingParams,
         stop_tokens: tuple[int, ...],
     ) -> SessionOutput:
         session = self._session(session_id)
@@ -238,9 +236,9 @@ class SessionStore:
         # The cache ends holding input + every new token but the last.
         self._make_room(session, len(input_ids) - reuse + max_new_tokens - 1)
         weight = self.model.lm_head.weight
-        sampler = Sampler(greedy, temperature, top_p, top_k, seed, weight.device)
+        sampler = Sampler(sampling, weight.device)
         logprobs: list[list[torch.Tensor]] = [[]]
-        scorer = TokenScorer(self.model, 1.0 if greedy else temperature, logprobs)
+        scorer = TokenScorer(self.model, sampling.temperature, logprobs)
         run = DecodeRun(1, max_new_tokens, stop_tokens)
         feed = input_ids[reuse:]
         try:

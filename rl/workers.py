@@ -20,6 +20,7 @@ import glmport
 from glmport.core.errors import ConfigError
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.generation import GenerationAborted, generate
+from glmport.model.sampling import check_sampling
 
 from .sessions import SessionStore
 from .tasks import Problem
@@ -49,6 +50,9 @@ class GroupSampling:
     group_size: int
     max_new_tokens: int
     temperature: float
+
+    def __post_init__(self) -> None:
+        check_sampling(temperature=self.temperature)
 
 
 @dataclass

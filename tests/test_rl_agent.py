@@ -434,6 +434,22 @@ def test_run_episode_arguments():
         run_episode(AgentEnv(), ScriptedClient([]), "e", problem=LOOKUP_PROBLEM, max_turns=0)
 
 
+@pytest.mark.parametrize(
+    ("sampling", "match"),
+    [
+        (dict(temperature=1e-300), r"temperature must be .*use temperature 0\)"),
+        (dict(temperature="hot"), "temperature must be a number"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        (dict(seed=1 << 64), "seed must be an int from -2\\*\\*63"),
+    ],
+)
+def test_run_episode_refuses_bad_sampling_before_any_request(sampling, match):
+    client = ScriptedClient(SOLVE)
+    with pytest.raises(ConfigError, match=match):
+        run_episode(AgentEnv(), client, "e", problem=LOOKUP_PROBLEM, **sampling)
+    assert client.requests == []
+
+
 def test_mean_summary():
     env = AgentEnv("lookup")
     solved = run_episode(env, ScriptedClient(SOLVE), "a", problem=LOOKUP_PROBLEM)
