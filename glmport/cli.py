@@ -686,10 +686,13 @@ def _cmd_rl_serve(args: argparse.Namespace) -> int:
     require("glmport rl serve", "fastapi", "uvicorn", *(() if args.local else ("ray",)))
 
     from glmport.rl.gateway import policy_source, serve_forever, start_local_pool, start_ray_pool
-    from glmport.rl.gateway_app import create_app
+    from glmport.rl.gateway_app import check_token, create_app
 
-    token = args.token or os.environ.get("GLMPORT_GATEWAY_TOKEN") or None
-    if token is None and not _is_loopback(args.host):
+    source = "--token" if args.token is not None else "GLMPORT_GATEWAY_TOKEN"
+    token = args.token if args.token is not None else os.environ.get(source)
+    if token is not None:  # set but empty is refused, never "no auth"
+        check_token(token, source)
+    elif not _is_loopback(args.host):
         raise ConfigError(
             f"--host {args.host} is not a loopback address: serving beyond this machine needs "
             "a bearer token (--token or GLMPORT_GATEWAY_TOKEN)"
@@ -718,7 +721,10 @@ def _cmd_rl_serve(args: argparse.Namespace) -> int:
         stack.callback(pool.close)
         limit = args.max_new_tokens_limit
         app = create_app(
-            pool, token=token, **({} if limit is None else {"max_new_tokens_limit": limit})
+            pool,
+            token=token,
+            openapi=args.openapi,
+            **({} if limit is None else {"max_new_tokens_limit": limit}),
         )
 
         def announce(url: str) -> None:
@@ -1231,6 +1237,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     sv.add_argument("--port", type=int, default=8000, help="0: a free port")
     sv.add_argument("--token", default=None, help="bearer token every request must send")
+    sv.add_argument("--openapi", action="store_true", help="serve the schema at /openapi.json")
     sv.add_argument("--backend", default=None, help="workers' glmport backend")
     sv.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="workers' dtype")
     sv.add_argument("--max-sessions", type=int, default=64, help="cached sessions per worker")

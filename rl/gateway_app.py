@@ -5,12 +5,16 @@ log-probabilities. A request names a ``session_id``; the session sticks to one w
 (:class:`~glmport.rl.gateway.HashRing`) whose cache continues or forks it
 (:class:`~glmport.rl.sessions.SessionStore`).
 
-Every request is checked before it reaches a worker: the body is bounded (413), JSON
-(400), an object with exactly the known fields of the right strict types (422 naming the
-field: no ``"1"`` strings, floats or booleans for ints), token ids inside the vocabulary
-and lengths inside the limits (422 naming them). Errors are JSON ``{"detail": "..."}``;
-a bad request touches no worker, so it never disturbs the others. With a ``token`` every
-request needs ``Authorization: Bearer <token>`` (401).
+Every request is checked before it reaches a worker: sent as ``application/json`` (415:
+``text/plain``, form and multipart bodies are what a browser may POST cross-origin
+without a preflight, so any web page could otherwise drive a loopback gateway), the body
+bounded (413), JSON (400), an object with exactly the known fields of the right strict
+types (422 naming the field: no ``"1"`` strings, floats or booleans for ints), token ids
+inside the vocabulary, lengths inside the limits and sampling parameters inside
+:mod:`glmport.model.sampling`'s ranges (422 naming them). Errors are JSON
+``{"detail": "..."}``; a bad request touches no worker, so it never disturbs the others.
+With a ``token`` every request needs ``Authorization: Bearer <token>`` (401). The OpenAPI
+schema (``/openapi.json``) is served only when asked (``openapi=True``).
 
 This module imports FastAPI; glmport imports it only to serve.
 """
@@ -89,6 +93,35 @@ def _validation_message(err: ValidationError) -> tuple[int, str]:
     return 422, "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
+def check_token(token: str, source: str) -> str:
+    """``token`` when it can be a bearer token: non-empty printable ASCII without spaces
+    at its ends (what a client can send and the server compares). Anything else is a
+    :class:`~glmport.core.errors.ConfigError` naming ``source``, never "no auth"."""
+    if not isinstance(token, str) or not token:
+        raise ConfigError(
+            f"{source}: the gateway token must not be empty (an empty token would mean no "
+            "authentication; to serve loopback without one, do not set it)"
+        )
+    if not (token.isascii() and token.isprintable()) or token != token.strip():
+        raise ConfigError(
+            f"{source}: the gateway token must be printable ASCII without spaces at its "
+            "ends (it travels in an Authorization header)"
+        )
+    return token
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type header is ``application/json`` (charset, if given, UTF-8)."""
+    media, *params = (content_type or "").split(";")
+    if media.strip().lower() != "application/json":
+        return False
+    for param in params:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() != "utf-8":
+            return False
+    return True
+
+
 def create_app(
     pool,
     *,
@@ -96,21 +129,25 @@ def create_app(
     max_body_bytes: int | None = None,
     max_new_tokens_limit: int = MAX_NEW_TOKENS,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    openapi: bool = False,
 ) -> FastAPI:
     """The gateway app in front of ``pool`` (a :class:`~glmport.rl.gateway.LocalPool` or
     :class:`~glmport.rl.gateway.RayPool`).
 
     Args:
         pool: the workers; sessions map to them by consistent hashing on ``session_id``.
-        token: when set, every request needs ``Authorization: Bearer <token>``.
+        token: when set, every request needs ``Authorization: Bearer <token>``
+            (:func:`check_token`: an empty token is refused, never "no auth").
         max_body_bytes: larger request bodies get 413 (default: 12 bytes per position of
             the context, plus 64 KiB).
         max_new_tokens_limit: ``max_new_tokens`` above it gets 422 (the context limit
             ``input + max_new_tokens <= max_position_embeddings`` holds as well).
         request_timeout_s: a request a worker has not answered by then gets 504.
+        openapi: serve the OpenAPI schema at ``/openapi.json`` (off: it describes the
+            service to anyone who can reach it, and no client needs it).
     """
-    if token is not None and not token:
-        raise ConfigError("the gateway token must not be empty")
+    if token is not None:
+        check_token(token, "create_app: token")
     if max_body_bytes is None:
         max_body_bytes = BYTES_PER_TOKEN * pool.max_positions + BODY_OVERHEAD_BYTES
     for name, value in (
@@ -118,7 +155,12 @@ def create_app(
         ("max_new_tokens_limit", max_new_tokens_limit),
     ):
         check_int(f"create_app: {name}", value, 1)
-    app = FastAPI(title="glmport token-in-token-out gateway", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="glmport token-in-token-out gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if openapi else None,
+    )
     ring = HashRing(range(pool.size))
     app.state.pool, app.state.ring = pool, ring
     expected = None if token is None else token.encode()
@@ -145,6 +187,10 @@ def create_app(
 
     @app.post("/generate")
     async def generate(request: Request):
+        content_type = request.headers.get("content-type")
+        if not _is_json(content_type):
+            shown = "none" if content_type is None else repr(content_type[:60])
+            return _error(415, f"Content-Type must be application/json, got {shown}")
         body = await _read_body(request, max_body_bytes)
         try:
             req = GenerateRequest.model_validate_json(body)

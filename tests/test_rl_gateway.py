@@ -274,6 +274,78 @@ def test_bearer_token_is_required_when_set(model, local_pool):
     assert_answer(ok.json(), model, valid("auth", request_id="good"))
 
 
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        (None, 415),
+        ("text/plain", 415),
+        ("text/plain; charset=utf-8", 415),
+        ("application/x-www-form-urlencoded", 415),
+        ("multipart/form-data; boundary=x", 415),
+        ("application/json; charset=latin-1", 415),
+        ("application/jsonp", 415),
+        ("application/json", 200),
+        ("Application/JSON; charset=UTF-8", 200),
+    ],
+)
+def test_only_application_json_is_served(local_pool, content_type, status):
+    """text/plain, form and multipart bodies are what a browser may POST cross-origin
+    without a preflight: the same JSON sent as any of them is refused (415)."""
+    app = create_app(local_pool)
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    body = json.dumps(valid("ct", max_new_tokens=1)).encode()
+
+    async def run():
+        async with client_for(app) as client:
+            return await client.post("/generate", content=body, headers=headers)
+
+    reply = asyncio.run(run())
+    assert reply.status_code == status, reply.text
+    if status == 415:
+        assert reply.json()["detail"].startswith("Content-Type must be application/json, got ")
+
+
+def test_openapi_schema_is_served_only_when_asked(local_pool):
+    async def get(app):
+        async with client_for(app) as client:
+            return await client.get("/openapi.json")
+
+    assert asyncio.run(get(create_app(local_pool))).status_code == 404
+    schema = asyncio.run(get(create_app(local_pool, openapi=True)))
+    assert schema.status_code == 200 and "/generate" in schema.json()["paths"]
+
+
+@pytest.mark.parametrize("token", ["", " ", " padded", "tab\there", "caf\u00e9"])
+def test_an_empty_or_unsendable_token_is_refused_not_no_auth(local_pool, token):
+    with pytest.raises(ConfigError, match="create_app: token: the gateway token must"):
+        create_app(local_pool, token=token)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "source"),
+    [
+        (["--token", ""], None, "--token"),
+        (["--token", " "], None, "--token"),
+        ([], "", "GLMPORT_GATEWAY_TOKEN"),
+    ],
+)
+def test_cli_serve_refuses_an_empty_token(monkeypatch, capsys, argv, env, source):
+    """``--token ''`` (or an empty GLMPORT_GATEWAY_TOKEN) is an error before any work,
+    never a gateway without authentication."""
+    import glmport.rl.gateway
+
+    served = []
+    monkeypatch.setattr(glmport.rl.gateway, "serve_forever", lambda *a, **k: served.append(a))
+    if env is None:
+        monkeypatch.delenv("GLMPORT_GATEWAY_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("GLMPORT_GATEWAY_TOKEN", env)
+    assert main(["rl", "serve", "--model", "tiny", "--local", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"glmport: error: {source}: the gateway token must"), err
+    assert served == []
+
+
 def test_cli_refuses_a_public_bind_without_a_token(capsys):
     assert main(["rl", "serve", "--model", "tiny", "--host", "0.0.0.0", "--local"]) == 2
     err = capsys.readouterr().err
