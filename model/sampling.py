@@ -13,7 +13,7 @@ The ranges, and why:
 - ``temperature`` (sampling only) in ``[1e-6, 1e6]``: the span the ``token_logprobs``
   conformance cases cover. Logits are fp32 and the reported log-probability comes from a
   second matmul (``token_logprobs``), so two logits one ulp apart differ by ``ulp / T``
-  in it: at ``T = 1e-30`` a sampled token was reported at -5.96e22, below about 1e-38
+  in it: at ``T = 1e-30`` a sampled token was reported at -5.96e22, below about 1e-45
   ``T`` itself rounds to 0 in fp32 (sampling divided by zero), and above about 3.4e38 it
   rounds to inf (NaN log-probabilities). Nothing is lost at the ends: at 1e-6 a logit
   gap of 1e-4 already has odds of e^-100 (greedy, to fp32 precision), at 1e6 logits
