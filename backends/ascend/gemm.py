@@ -158,9 +158,11 @@ def _grouped(
     **quant: object,
 ) -> torch.Tensor:
     """One ``npu_grouped_matmul`` call: ``x [M, K]`` by ``weight [E, K, N]`` grouped
-    along M (single x, weight and y: ``split_item=2``, ``group_type=0``)."""
+    along M (single x, weight and y: ``split_item=2``, ``group_type=0``). The op takes
+    no transposed ``x`` ("x不支持转置"): any ``x`` goes in row-major, a copy only when
+    its strides are other (an O(M K) pass beside the O(M K N) product)."""
     (y,) = npu.npu_grouped_matmul(
-        [x],
+        [x.contiguous()],
         [weight],
         group_list=_group_list(offsets, x.shape[0]),
         split_item=2,
