@@ -108,10 +108,12 @@ def _cat_columns(parts: list[torch.Tensor]) -> torch.Tensor:
 def _int32_words(w: torch.Tensor) -> torch.Tensor:
     """A packed int4 uint8 weight ``[..., K/2]`` (``K % 8 == 0``) as int32 ``[..., K/8]``:
     the same bytes, so the same values in torch_npu's int32 x8 order packed along K. A
-    view of ``w`` when it is contiguous and 4-byte aligned, else of a copy."""
+    view of ``w`` when it is contiguous and 4-byte aligned, else of a row-major copy (a
+    contiguous tensor may still carry any stride on a size-1 dim, which a 4-byte view
+    cannot take)."""
     w = w.contiguous()
-    if w.storage_offset() % 4:
-        w = w.clone()
+    if w.storage_offset() % 4 or any(s % 4 for s in w.stride()[:-1]):
+        w = w.clone(memory_format=torch.contiguous_format)
     return w.view(torch.int32)
 
 
