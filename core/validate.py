@@ -131,8 +131,9 @@ class Checker:
             self.fail(arg, f"an int >= {low} and <= 2**31 - 1 (a 32-bit int)", describe(value))
 
     def int32_count(self, arg: str, count: int, what: str) -> None:
-        """``count`` (``what``, from ``arg``'s shape) fits the int32 outputs that hold it."""
-        if self.metadata and count > INT32_MAX:
+        """``count`` (``what``, from ``arg``'s shape) fits the int32 outputs that hold it;
+        a symbolic count (tracing with dynamic shapes) is not bounded, so no guard."""
+        if self.metadata and type(count) is int and count > INT32_MAX:
             self.fail(arg, f"small enough that {what} fit in int32 (<= 2**31 - 1)", f"{count}")
 
     def fits_device(self, args: dict[str, object], fake: Callable[..., object]) -> None:
