@@ -5,17 +5,24 @@ Families: ``tiny``; ``glm5`` (GLM-5's real head counts and widths where affordab
 absorbed attention with 64 heads, Dk 576 / Dv 512; indexer 32 x 128 with topk 2048;
 MoE 256 experts top-8, reduced width); ``edge`` (T=1, N < topk, empty key ranges,
 every index -1, ragged ranges of packed sequences, topk not a multiple of 64, paged
-slot ids, tied scores). ``full_only`` cases run only with ``--full``.
+slot ids, tied scores); ``layout`` (one tensor argument of a small call in a
+non-contiguous or stride-0 view, :func:`layout_cases`). ``full_only`` cases run only
+with ``--full``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from glmport.core.errors import OpInputError
 from glmport.core.formats import FLOAT_WEIGHT, FP8_DTYPE, SCHEMES, quantize_tensor
+from glmport.core.specs import SPECS, OpSpec
+from glmport.core.validate import Level
+
+from .layouts import LAYOUTS, relayout
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 Builder = Callable[[torch.Generator], tuple]
@@ -27,7 +34,9 @@ class Case:
 
     ``dtype`` is the input precision under test (``float8_e4m3fn`` for fp8 inputs);
     ``scheme`` names a quant scheme or format where the op takes one; ``judge`` picks
-    the comparison (see :mod:`glmport.conformance.judges`).
+    the comparison (see :mod:`glmport.conformance.judges`); ``layout`` is ``(argument,
+    layout)`` when the case passes that argument in a view of
+    :mod:`glmport.conformance.layouts` (family ``layout``).
     """
 
     op: str
@@ -40,16 +49,37 @@ class Case:
     scheme: str | None = None
     full_only: bool = False
     seed: int = 0
+    layout: tuple[str, str] | None = None
 
     @property
     def id(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         extra = f"-{self.scheme}" if self.scheme else ""
-        return f"{self.op}-{self.name}-{dtype}{extra}"
+        laid = f"-{self.layout[0]}-{self.layout[1]}" if self.layout else ""
+        return f"{self.op}-{self.name}-{dtype}{extra}{laid}"
 
     def args(self) -> tuple:
+        """The op's arguments in schema order, CPU tensors (in the case's layout)."""
         gen = torch.Generator().manual_seed(self.seed)
-        return self.build(gen)
+        return self.laid_out(self.build(gen))
+
+    def laid_out(self, args: tuple) -> tuple:
+        """``args`` (on any device) with the case's layout made there: a non-dense view
+        does not survive ``Tensor.to(device)``, so runners re-apply it after the move
+        (the layouts are idempotent in value). A view of the re-laid-out argument
+        (absorbed MLA's ``v = k[..., :512]``) is re-derived as the same view of it."""
+        if self.layout is None:
+            return args
+        arg, layout = self.layout
+        pos = SPECS[self.op].arg_names.index(arg)
+        old, new = args[pos], relayout(args[pos], layout)
+        out = list(args)
+        out[pos] = new
+        for i, other in enumerate(args):
+            width = _prefix_width(old, other) if i != pos else None
+            if width is not None:
+                out[i] = new[..., :width]
+        return tuple(out)
 
 
 def _randn(gen, *shape, dtype=torch.float32, scale=1.0):
@@ -179,6 +209,8 @@ def _indexer(t, hi, di, n, topk, *, ranges="causal", ties=False, fp8=False, logi
             s2, e2 = _causal_ranges(t - half, n)
             start = torch.cat((s1, torch.full_like(s2, n // 2)))
             end = torch.cat((e1, e2))
+        elif ranges == "staggered":  # causal ends, every query its own start
+            start, end = _causal_ranges(t, n, starts=list(range(t)))
         elif ranges == "empty_row":
             start, end = _causal_ranges(t, n)
             start[0] = end[0] = 3
@@ -600,6 +632,112 @@ def misc_cases() -> Iterator[Case]:
             )
 
 
+# -- layouts -----------------------------------------------------------------------
+
+# The calls whose tensor arguments the layout family re-lays out, one at a time: small
+# cases of every op (every scheme and format), inside every built-in backend's declared
+# limits where a limit allows a small case (ascend: attention Dk 576, indexer Di 128).
+# Named cases of the families above, by (op, name) ...
+LAYOUT_BASES = (
+    ("sparse_attention", "tiny_gqa"),
+    ("moe_gate", "grouped"),
+    ("moe_dispatch", "tiny"),
+    ("moe_combine", "tiny"),
+    ("grouped_gemm", "tiny"),
+    ("quantize", "tiny"),
+    ("quant_gemm", "tiny"),
+    ("quant_gemm", "qat"),
+    ("rms_norm", "t1_3d"),
+    ("rope", "tiny_interleaved"),
+    ("rope", "tiny_half"),
+    ("token_logprobs", "tiny"),
+)
+# ... and the dtypes quick mode takes of them (the others run with --full); a case
+# with none of these (fp32-only router logits, QAT) keeps the dtypes it has.
+LAYOUT_QUICK_DTYPES = (torch.bfloat16, FP8_DTYPE)
+
+
+def _layout_only_bases() -> Iterator[Case]:
+    """Bases of the layout family alone: absorbed MLA attention and a 128-dim indexer
+    (the shapes the ascend adapters take), small enough for an interpreter."""
+    absorbed = dict(t=3, h=4, hkv=1, dk=576, dv=512, n=24, k=8, absorbed=True)
+    yield from _per_dtype(
+        "sparse_attention", "absorbed_small", "edge", absorbed, _attention(**absorbed)
+    )
+    index = dict(t=5, hi=4, di=128, n=40, topk=8, ranges="staggered")
+    for op, logits in (("lightning_indexer", False), ("indexer_logits", True)):
+        judge = "logits" if logits else "indexer"
+        plain = _indexer(**index, logits=logits)
+        yield from _per_dtype(op, "d128", "edge", index, plain, judge=judge)
+        fp8 = _indexer(**index, logits=logits, fp8=True)  # quantises fp32 data itself
+        yield from _per_dtype(
+            op, "d128", "edge", index, lambda g, _, fp8=fp8: fp8(g, torch.float32),
+            dtypes=(FP8_DTYPE,), judge=judge,
+        )  # fmt: skip
+
+
+def layout_cases(
+    cases: list[Case], *, ops: tuple[str, ...] | None = None, full: bool = False
+) -> list[Case]:
+    """Family ``layout``: each base call (:data:`LAYOUT_BASES` among ``cases``, and
+    :func:`_layout_only_bases`) once per tensor argument and layout of
+    :data:`~glmport.conformance.layouts.LAYOUTS`, that argument in that view, the
+    others as built. A variant is kept where it is a valid call (glmport's full
+    checks pass on it): a broadcast ``src_row`` is no permutation, broadcast
+    ``expert_offsets`` do not rise from 0 to M. A view of another argument (absorbed
+    ``v``) is re-laid out with it, not alone. Quick mode takes the bases in
+    :data:`LAYOUT_QUICK_DTYPES`; the other dtypes are ``full_only``."""
+    named = [c for c in cases if (c.op, c.name) in LAYOUT_BASES]
+    bases = [*named, *(c for c in _layout_only_bases() if ops is None or c.op in ops)]
+    dtypes_of: dict[tuple, set[torch.dtype]] = {}
+    for c in bases:
+        dtypes_of.setdefault((c.op, c.name, c.scheme), set()).add(c.dtype)
+    out = []
+    for base in bases:
+        has_quick = dtypes_of[(base.op, base.name, base.scheme)] & set(LAYOUT_QUICK_DTYPES)
+        quick = base.dtype in LAYOUT_QUICK_DTYPES or not has_quick
+        if not (quick or full):
+            continue
+        args = base.args()
+        spec = SPECS[base.op]
+        for pos, arg in enumerate(spec.arg_names):
+            if not isinstance(args[pos], torch.Tensor) or _is_view_of_another(args, pos):
+                continue
+            for layout in LAYOUTS:
+                case = replace(base, family="layout", layout=(arg, layout), full_only=not quick)
+                if relayout(args[pos], layout) is not None and _valid(spec, case.args()):
+                    out.append(case)
+    return out
+
+
+def _valid(spec: OpSpec, args: tuple) -> bool:
+    try:
+        spec.validate(args, values=Level.FULL)
+    except OpInputError:
+        return False
+    return True
+
+
+def _prefix_width(base: torch.Tensor, view: object) -> int | None:
+    """``w`` when ``view`` is ``base[..., :w]`` (same storage, offset and strides), else
+    None."""
+    tensors = isinstance(view, torch.Tensor) and isinstance(base, torch.Tensor)
+    if not tensors or view is base or base.dim() == 0:
+        return None
+    same = (
+        torch._C._is_alias_of(view, base)
+        and view.storage_offset() == base.storage_offset()
+        and view.stride() == base.stride()
+        and view.shape[:-1] == base.shape[:-1]
+        and view.shape[-1] <= base.shape[-1]
+    )
+    return view.shape[-1] if same else None
+
+
+def _is_view_of_another(args: tuple, pos: int) -> bool:
+    return any(_prefix_width(a, args[pos]) is not None for i, a in enumerate(args) if i != pos)
+
+
 def all_cases(*, full: bool = False, ops: tuple[str, ...] | None = None) -> list[Case]:
     """Every value case of the suite for the chosen mode and ops."""
     cases = [
@@ -609,4 +747,6 @@ def all_cases(*, full: bool = False, ops: tuple[str, ...] | None = None) -> list
         *quant_cases(),
         *misc_cases(),
     ]
-    return [c for c in cases if (full or not c.full_only) and (ops is None or c.op in ops)]
+    wanted = [c for c in cases if ops is None or c.op in ops]
+    wanted += layout_cases(wanted, ops=ops, full=full)
+    return [c for c in wanted if full or not c.full_only]

@@ -128,7 +128,8 @@ def suite_checks(*, full: bool = False, ops: tuple[str, ...] | None = None) -> l
     checks = [Check("value", c) for c in cases]
     checks += [Check("prepared", c) for c in cases if _packed_weight_case(c)]
     for op in OP_NAMES if ops is None else ops:
-        mine = [c for c in cases if c.op == op]
+        # The layout family is judged by value; the other kinds take the plain cases.
+        mine = [c for c in cases if c.op == op and c.layout is None]
         if not mine:
             continue
         tiny = next(c for c in mine if c.family == "tiny" and c.dtype == torch.float32)
@@ -157,7 +158,11 @@ def suite_checks(*, full: bool = False, ops: tuple[str, ...] | None = None) -> l
 
 
 def _packed_weight_case(case: Case) -> bool:
-    """A case of an op that takes prepared weights, with a packed (not QAT) weight."""
+    """A case of an op that takes prepared weights, with a packed (not QAT) weight (in
+    the layout family: one whose weight or scales are the re-laid-out argument, which
+    ``prepare_weight`` converts)."""
+    if case.layout is not None and case.layout[0] not in ("w", "w_scale"):
+        return False
     return case.op in PREPARABLE_OPS and case.scheme in SCHEMES and case.name != "qat"
 
 
@@ -177,6 +182,17 @@ def device_for(device_type: str) -> torch.device:
 
 def _to(args: tuple, device: torch.device) -> tuple:
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _on_device(case: Case, args: tuple, device: torch.device) -> tuple:
+    """The case's ``args`` on ``device``, in the case's layout there."""
+    return case.laid_out(_to(args, device))
+
+
+def _dense(args: tuple) -> tuple:
+    """``args`` with every tensor contiguous: what the reference and the judges read, so
+    that they never depend on a layout under test."""
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _cpu(outs):
@@ -297,8 +313,9 @@ def _capability_fallback(res, case: Case, device_type: str) -> tuple[str, str]:
 def _value(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
     args = c.args()
-    outs = _cpu(_call(c.op, _to(args, device)))
-    return JUDGES[c.judge](c.op, c.dtype, args, outs, _reference(c, args))
+    outs = _cpu(_call(c.op, _on_device(c, args, device)))
+    dense = _dense(args)
+    return JUDGES[c.judge](c.op, c.dtype, dense, outs, _reference(c, dense))
 
 
 def _prepared(check: Check, device: torch.device, backend: str) -> Verdict:
@@ -307,7 +324,7 @@ def _prepared(check: Check, device: torch.device, backend: str) -> Verdict:
     ``"<op>:prepared"`` kernel when it keeps a native layout)."""
     c = check.case
     args = c.args()
-    x, w, *rest = _to(args, device)
+    x, w, *rest = _on_device(c, args, device)
     if c.op == "grouped_gemm":
         offsets, w_scale, scheme, group_size = rest
         prepared = glmport.prepare_weight(c.op, w, w_scale, scheme, group_size)
@@ -316,7 +333,8 @@ def _prepared(check: Check, device: torch.device, backend: str) -> Verdict:
         w_scale, scheme, group_size = rest
         prepared = glmport.prepare_weight(c.op, w, w_scale, scheme, group_size)
         out = glmport.ops.quant_gemm(x, prepared)
-    verdict = JUDGES[c.judge](c.op, c.dtype, args, _cpu(out), _reference(c, args))
+    dense = _dense(args)
+    verdict = JUDGES[c.judge](c.op, c.dtype, dense, _cpu(out), _reference(c, dense))
     layout = "native layout" if prepared.native is not None else "canonical layout"
     return Verdict(verdict.ok, f"{layout}; {verdict.reason}".rstrip("; "), verdict.metrics,
                    verdict.tolerance)  # fmt: skip

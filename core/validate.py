@@ -12,8 +12,10 @@ shapes, so only ``GLMPORT_VALIDATE=strict`` runs them.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
 
 import torch
@@ -23,6 +25,10 @@ from .errors import OpInputError
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP32_MAX = torch.finfo(torch.float32).max
 INDEX_DTYPES = (torch.int32, torch.int64)
+# The largest int an op's int argument (topk, num_experts, group_size ...) or a count
+# it returns in an int32 tensor (slots, rows, experts) may be: kernels take them as
+# 32-bit ints and the outputs store them in int32.
+INT32_MAX = 2**31 - 1
 
 
 class Level(IntEnum):
@@ -117,11 +123,56 @@ class Checker:
             if t.dtype != first.dtype:
                 self.fail(name, f"of the same dtype as '{first_name}' ({first.dtype})", describe(t))
 
-    def int_at_least(self, arg: str, value: object, low: int) -> None:
+    def int_in_range(self, arg: str, value: object, low: int) -> None:
+        """``value`` is an int (a bool is not) in ``[low, INT32_MAX]``."""
         if not self.metadata:
             return
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            self.fail(arg, f"an int >= {low}", describe(value))
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT32_MAX:
+            self.fail(arg, f"an int >= {low} and <= 2**31 - 1 (a 32-bit int)", describe(value))
+
+    def int32_count(self, arg: str, count: int, what: str) -> None:
+        """``count`` (``what``, from ``arg``'s shape) fits the int32 outputs that hold it;
+        a symbolic count (tracing with dynamic shapes) is not bounded, so no guard."""
+        if self.metadata and type(count) is int and count > INT32_MAX:
+            self.fail(arg, f"small enough that {what} fit in int32 (<= 2**31 - 1)", f"{count}")
+
+    def fits_device(self, args: dict[str, object], fake: Callable[..., object]) -> None:
+        """Refuse a call whose outputs, or any tensor argument laid out densely, need more
+        bytes than the memory of the device the tensors are on: a backend may copy any
+        input contiguous (several do) and must allocate the outputs, so such a call can
+        only die in the allocator or run for hours over a broadcast (stride-0) view. Reads
+        shapes and dtypes only (``fake`` builds the outputs on the meta device); calls
+        with symbolic sizes or on a device of unknown memory are not bounded."""
+        if not self.metadata:
+            return
+        tensors = {n: t for n, t in args.items() if isinstance(t, torch.Tensor)}
+        if not tensors or not all(_concrete(t.shape) for t in tensors.values()):
+            return
+        device = next(iter(tensors.values())).device
+        limit = device_memory(device)
+        if limit is None:
+            return
+        where = f"the memory of {device} ({_bytes(limit)})"
+        for name, t in tensors.items():
+            need = _dense_bytes(t)
+            if need > limit:
+                self.fail(
+                    name,
+                    f"at most {where} laid out densely (backends may copy an input contiguous; "
+                    "a broadcast view is as large as its shape)",
+                    f"{describe(t)}: {_bytes(need)}",
+                )
+        outs = fake(*(_on_meta(a) for a in args.values()))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        need = sum(_dense_bytes(o) for o in outs)
+        if need > limit:
+            self.fail(
+                _output_driver(args, outs),
+                f"small enough that the call's outputs fit in {where}",
+                "outputs "
+                + ", ".join(f"{_dtype_name(o.dtype)} {list(o.shape)}" for o in outs)
+                + f": {_bytes(need)}",
+            )
 
     def positive_float(self, arg: str, value: object) -> None:
         if not self.metadata:
@@ -176,6 +227,66 @@ class Checker:
         lo, hi = (float(v) for v in torch.aminmax(values))
         if not (math.isfinite(lo) and math.isfinite(hi)):
             self.fail(arg, "finite everywhere (no NaN or inf)", "a non-finite value")
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device``: the physical RAM for the CPU, the total memory an
+    accelerator's torch module reports (``torch.cuda``, ``torch.xpu``, ``torch.npu``
+    ...), None where it says nothing (the meta device, a platform without ``sysconf``)."""
+    return _device_memory(device.type, device.index)
+
+
+@functools.cache
+def _device_memory(kind: str, index: int | None) -> int | None:
+    if kind == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return None
+    module = getattr(torch, kind, None)
+    properties = getattr(module, "get_device_properties", None)
+    if properties is None:
+        return None
+    try:
+        return int(properties(module.current_device() if index is None else index).total_memory)
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+
+
+def _concrete(shape: Sequence[object]) -> bool:
+    return all(type(s) is int for s in shape)
+
+
+def _dense_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape) * t.element_size()
+
+
+def _on_meta(a: object) -> object:
+    """A tensor's shape and dtype on the meta device (no memory); anything else as is."""
+    if isinstance(a, torch.Tensor):
+        return torch.empty(a.shape, dtype=a.dtype, device="meta")
+    return a
+
+
+def _output_driver(args: dict[str, object], outs: Sequence[torch.Tensor]) -> str:
+    """The argument an oversized output comes from: the largest int argument that is a
+    dim of an output (``topk``, ``num_experts``), else the tensor argument with the most
+    elements."""
+    dims = {d for o in outs for d in o.shape}
+    ints = [(v, n) for n, v in args.items() if type(v) is int and v in dims]
+    if ints:
+        return max(ints)[1]
+    sizes = [(math.prod(t.shape), n) for n, t in args.items() if isinstance(t, torch.Tensor)]
+    return max(sizes, key=lambda size_name: size_name[0])[1]  # the first of equals
+
+
+_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes for a message, in the largest binary unit below it: ``'3.5 GiB'``."""
+    exp = min(max(n.bit_length() - 1, 0) // 10, len(_UNITS) - 1)
+    return f"{n} bytes" if exp == 0 else f"{n / 1024**exp:.3g} {_UNITS[exp]}"
 
 
 def abs_max(t: torch.Tensor) -> float:

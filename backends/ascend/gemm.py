@@ -108,10 +108,12 @@ def _cat_columns(parts: list[torch.Tensor]) -> torch.Tensor:
 def _int32_words(w: torch.Tensor) -> torch.Tensor:
     """A packed int4 uint8 weight ``[..., K/2]`` (``K % 8 == 0``) as int32 ``[..., K/8]``:
     the same bytes, so the same values in torch_npu's int32 x8 order packed along K. A
-    view of ``w`` when it is contiguous and 4-byte aligned, else of a copy."""
+    view of ``w`` when it is contiguous and 4-byte aligned, else of a row-major copy (a
+    contiguous tensor may still carry any stride on a size-1 dim, which a 4-byte view
+    cannot take)."""
     w = w.contiguous()
-    if w.storage_offset() % 4:
-        w = w.clone()
+    if w.storage_offset() % 4 or any(s % 4 for s in w.stride()[:-1]):
+        w = w.clone(memory_format=torch.contiguous_format)
     return w.view(torch.int32)
 
 
@@ -158,9 +160,11 @@ def _grouped(
     **quant: object,
 ) -> torch.Tensor:
     """One ``npu_grouped_matmul`` call: ``x [M, K]`` by ``weight [E, K, N]`` grouped
-    along M (single x, weight and y: ``split_item=2``, ``group_type=0``)."""
+    along M (single x, weight and y: ``split_item=2``, ``group_type=0``). The op takes
+    no transposed ``x`` ("x不支持转置"): any ``x`` goes in row-major, a copy only when
+    its strides are other (an O(M K) pass beside the O(M K N) product)."""
     (y,) = npu.npu_grouped_matmul(
-        [x],
+        [x.contiguous()],
         [weight],
         group_list=_group_list(offsets, x.shape[0]),
         split_item=2,

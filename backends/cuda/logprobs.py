@@ -84,6 +84,7 @@ def _vocab_stats_kernel(
     stride_hd,
     stride_wv,
     stride_wd,
+    stride_tgt,
     temperature,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
@@ -95,7 +96,7 @@ def _vocab_stats_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
     rows = rows.to(tl.int64)
-    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+    tgt = tl.load(tgt_ptr + rows * stride_tgt, mask=row_mask, other=-1)
     v_start = split * split_len
     v_end = tl.minimum(v_start + split_len, V)
     ks = tl.arange(0, BLOCK_K)
@@ -192,7 +193,8 @@ def token_logprobs(
     Args:
         hidden: ``[T, D]`` fp32 | bf16 | fp16, any strides.
         lm_head: ``[V, D]`` same dtype, any strides.
-        targets: ``[T]`` int32 | int64; one outside ``[0, V)`` gives ``logp`` NaN.
+        targets: ``[T]`` int32 | int64, any stride (0 included); one outside ``[0, V)``
+            gives ``logp`` NaN.
         temperature: ``> 0``.
 
     Returns:
@@ -226,6 +228,7 @@ def token_logprobs(
         n_splits,
         *hidden.stride(),
         *lm_head.stride(),
+        targets.stride(0),
         temperature,
         DOT_DTYPE=dot,
         IEEE=dot == tl.float32,

@@ -56,8 +56,15 @@ class OpSpec:
     def validate(self, args: tuple, *, values: bool, metadata: bool = True) -> None:
         """Raise ``OpInputError`` if ``args`` (in schema order) break the contract.
         ``metadata`` False: the caller knows this signature passed the metadata
-        checks, and only the value checks run."""
-        self.check(Checker(self.name, metadata=metadata), *args, values=values)
+        checks, and only the value checks run. The metadata checks end with the size
+        bound (:meth:`Checker.fits_device`), before any check reads a value: a scan of
+        a huge broadcast view would hang."""
+        if metadata:
+            checker = Checker(self.name)
+            self.check(checker, *args, values=False)
+            checker.fits_device(dict(zip(self.arg_names, args, strict=True)), self.fake)
+        if values:
+            self.check(Checker(self.name, metadata=False), *args, values=values)
 
 
 # glmport.core.library installs dispatch.run here when it registers the ops: the path

@@ -71,7 +71,7 @@ def _indexer_features(q, k, weights, k_start, k_end, topk, *_args) -> dict[str, 
 
 def _check_indexer(c: Checker, q, k, weights, k_start, k_end, topk, q_scale, k_scale, *, values):
     _check_scores_inputs(c, q, k, weights, k_start, k_end, q_scale, k_scale, values)
-    c.int_at_least("topk", topk, 1)
+    c.int_in_range("topk", topk, 1)
 
 
 def _fake_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):

@@ -29,16 +29,17 @@ def _check_gate(
 ):
     c.tensor("logits", logits, ndim=2, dtypes=(torch.float32,))
     e = logits.shape[1]
+    c.int32_count("logits", e, "its E experts (the int32 ids)")
     if bias is not None:
         c.tensor("bias", bias, shape=(("E", e),), dtypes=(torch.float32,))
         c.same_device(logits=logits, bias=bias)
-    c.int_at_least("n_group", n_group, 1)
+    c.int_in_range("n_group", n_group, 1)
     if e % n_group:
         c.fail("n_group", f"a divisor of the expert count E={e}", repr(n_group))
-    c.int_at_least("topk_group", topk_group, 1)
+    c.int_in_range("topk_group", topk_group, 1)
     if topk_group > n_group:
         c.fail("topk_group", f"<= n_group={n_group}", repr(topk_group))
-    c.int_at_least("top_k", top_k, 1)
+    c.int_in_range("top_k", top_k, 1)
     reachable = e // n_group * topk_group
     if top_k > reachable:
         c.fail("top_k", f"<= the {reachable} experts in the kept groups", repr(top_k))
@@ -127,7 +128,8 @@ def moe_gate(
 def _check_dispatch(c: Checker, x, ids, num_experts, *, values):
     c.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     c.tensor("ids", ids, shape=(("T", x.shape[0]), None), dtypes=INDEX_DTYPES)
-    c.int_at_least("num_experts", num_experts, 1)
+    c.int_in_range("num_experts", num_experts, 1)
+    c.int32_count("ids", ids.shape[0] * ids.shape[1], "its T*k copies (src_row, expert_offsets)")
     c.same_device(x=x, ids=ids)
     if values:
         c.in_range("ids", ids, 0, num_experts)
@@ -188,6 +190,7 @@ def _check_combine(c: Checker, y_sorted, src_row, weights, *, values):
     rows = weights.shape[0] * weights.shape[1]
     c.tensor("y_sorted", y_sorted, shape=(("T*k", rows), None))
     c.tensor("src_row", src_row, shape=(("T*k", rows),), dtypes=INDEX_DTYPES)
+    c.int32_count("weights", rows, "its T*k slots (src_row's values, as dispatch returns them)")
     c.same_device(y_sorted=y_sorted, src_row=src_row, weights=weights)
     if values:
         c.in_range("src_row", src_row, 0, rows)
@@ -247,7 +250,7 @@ def _check_grouped(c: Checker, x, w, expert_offsets, w_scale, scheme, group_size
     e = w.shape[0]
     c.tensor("expert_offsets", expert_offsets, shape=(("E+1", e + 1),), dtypes=INDEX_DTYPES)
     c.same_device(x=x, w=w, expert_offsets=expert_offsets)
-    c.int_at_least("group_size", group_size, 1)  # float weights ignore it, but typed
+    c.int_in_range("group_size", group_size, 1)  # float weights ignore it, but typed
     if scheme == FLOAT_WEIGHT:
         c.tensor("w", w, shape=(("E", e), None, ("K", x.shape[1])), dtypes=(x.dtype,))
         if w_scale is not None:

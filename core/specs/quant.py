@@ -66,7 +66,7 @@ class PreparedWeight:
 def _check_quantize(c: Checker, x, fmt, group_size, *, values):
     c.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     c.choice("fmt", fmt, FORMATS)
-    c.int_at_least("group_size", group_size, 1)
+    c.int_in_range("group_size", group_size, 1)
     if FORMATS[fmt].storage == torch.uint8:
         _check_int4_groups(c, "x", x.shape[1], group_size)
     c.same_device(x=x)
@@ -135,7 +135,7 @@ def check_quant_weight(
     Float weights with ``w_scale=None`` are the fake-quant (QAT) mode.
     """
     c.choice("scheme", scheme, SCHEMES)
-    c.int_at_least("group_size", group_size, 1)
+    c.int_in_range("group_size", group_size, 1)
     s: QuantScheme = SCHEMES[scheme]
     lead = () if experts is None else (("E", experts),)
     k = x.shape[1]
