@@ -13,6 +13,7 @@ import torch
 
 from glmport.cli import main
 from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.extras import install_command
 from glmport.model.generation import generate
 from glmport.rl.staleness import GroupLedger, LedgerError, StalenessManager, audit
 from glmport.rl.tasks import Problem, make_task
@@ -331,4 +332,4 @@ def test_without_the_rl_extra_each_command_is_one_error_line(
     err = capsys.readouterr().err
     assert err.startswith("glmport: error:") and err.count("\n") == 1
     assert f"{message} needs the rl extra ({absent} not installed)" in err
-    assert "pip install 'glmport[rl]'" in err
+    assert install_command([absent]) in err
