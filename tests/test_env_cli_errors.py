@@ -127,7 +127,10 @@ _GEN = ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens
         ([*_GEN, "--top-p", "1.5"], "top_p"),
         ([*_GEN, "--top-k", "-3"], "top_k"),
         ([*_GEN, "--greedy", "--seed", "1"], "--greedy"),
-        (["generate", "--model", "tiny", "--input-ids", "1", "--max-new-tokens", "-1"], "max_new"),
+        (
+            ["generate", "--model", "tiny", "--input-ids", "1", "--max-new-tokens", "-1"],
+            "--max-new",
+        ),
         (["generate", "--model", "tiny", "--input-ids", "", "--max-new-tokens", "1"], "input-ids"),
         (["generate", "--model", "tiny", "--input-ids", "-5", "--max-new-tokens", "1"], "outside"),
         (["generate", "--model", "/no/such/dir", "--input-ids", "1", "--max-new-tokens", "1"], ""),
