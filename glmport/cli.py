@@ -501,15 +501,16 @@ def _load_model(spec: str, dtype: str = "fp32"):
 
     from glmport.model import GlmMoeDsaForCausalLM
 
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     if spec == "tiny":
         model = GlmMoeDsaForCausalLM.from_config("tiny", seed=0)
-    elif Path(spec).is_dir():
-        model = GlmMoeDsaForCausalLM.from_pretrained(spec)
+    elif Path(spec).is_dir():  # cast as read: a checkpoint of mixed dtypes loads as one
+        model = GlmMoeDsaForCausalLM.from_pretrained(spec, dtype=torch_dtype)
     else:
         raise ConfigError(
             f"--model must be 'tiny' or a checkpoint folder with config.json, got {spec!r}"
         )
-    return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
+    return model.to(torch_dtype).eval()
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
