@@ -60,7 +60,8 @@ _INTEGER = re.compile(r"[+-]?[0-9]{1,40}", re.ASCII)
 
 def _integer(low: int, high: int, why: str = "", *, shown: str = "") -> Callable[[str], int]:
     """An argparse type: an integer from ``low`` to ``high`` in ASCII digits, or one
-    error line naming the range (``shown`` instead of the numbers) and ``why``."""
+    error line naming the range (``shown`` instead of the numbers) and ``why``. The
+    bounds stay readable on it (``.low``, ``.high``) for help and tests."""
     span = shown or f"from {low} to {high}"
     reason = f" ({why})" if why else ""
 
@@ -69,6 +70,7 @@ def _integer(low: int, high: int, why: str = "", *, shown: str = "") -> Callable
             raise argparse.ArgumentTypeError(f"expected an integer {span}{reason}, got {text!r}")
         return int(text)
 
+    parse.low, parse.high = low, high
     return parse
 
 
@@ -86,6 +88,7 @@ def _real(low: float, why: str) -> Callable[[str], float]:
             )
         return value
 
+    parse.low = low
     return parse
 
 
@@ -151,10 +154,13 @@ def _fits_model(model, flag: str, tokens: int) -> None:
 
 def _select(name: str | None, flag: str):
     """``use_backend`` for the backend a command-line ``flag`` named (None: the
-    selection in force), so an unknown or unavailable one is reported as ``flag``'s."""
+    selection in force), so an unknown, unavailable or empty one is reported as
+    ``flag``'s."""
     from glmport.core.selection import use_backend
 
-    return use_backend(name or None, source=flag)
+    if name == "":  # not "the selection": a flag given must name something
+        raise ConfigError(f"{flag} must name a backend, got ''")
+    return use_backend(name, source=flag)
 
 
 def _check_environment() -> None:
@@ -361,10 +367,10 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         if value is not None:
             raise ConfigError(f"{flag} goes with --matrix (the suite judges one --backend)")
     default = plugins[0] if plugins else environment.read("GLMPORT_BACKEND")
-    backend = args.backend or default
+    backend = default if args.backend is None else args.backend
     if backend != "auto":
         REGISTRY.get(backend, "--backend")  # unknown: an error listing the valid names
-    if args.ops:
+    if args.ops is not None:
         environment.parse_op_names(args.ops, "--ops")
     # An unavailable backend still runs: its checks are reported as skipped, with the
     # reason, and the run exits non-zero because nothing passed.
@@ -833,7 +839,8 @@ def _cmd_rl_agent(args: argparse.Namespace) -> int:
 
     from glmport.core.extras import require
 
-    require("glmport rl agent", "httpx", *(() if args.gateway else ("fastapi", "uvicorn")))
+    remote = args.gateway is not None
+    require("glmport rl agent", "httpx", *(() if remote else ("fastapi", "uvicorn")))
 
     from glmport.rl.agent import (
         GatewayClient,
@@ -845,18 +852,20 @@ def _cmd_rl_agent(args: argparse.Namespace) -> int:
     from glmport.rl.agent_env import AgentEnv
     from glmport.rl.context import parse_context
 
-    if args.token and not args.gateway:
+    if args.token and not remote:
         raise ConfigError("--token is the bearer token of --gateway; the in-process one needs none")
     context = parse_context(args.context)
     env = AgentEnv(args.task, max_turns=args.max_turns, max_context=args.max_context)
     with ExitStack() as stack:
-        if args.gateway:
-            client = stack.enter_context(GatewayClient(args.gateway, args.token))
+        if remote:
+            client = stack.enter_context(
+                GatewayClient(args.gateway, args.token, source="--gateway")
+            )
         else:
             from glmport.rl.gateway import policy_source
 
             _check_environment()
-            spec, version = policy_source(args.model or "tiny")
+            spec, version = policy_source("tiny" if args.model is None else args.model)
             model = _load_model(spec)
             _fits_model(model, "--max-context", args.max_context)
             client = stack.enter_context(local_gateway(model, version))
