@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from hang_guard import guard_s
 
 import glmport
 from glmport.backends.generic.tiling import budget_bytes
@@ -76,7 +77,7 @@ def _run_all(commands: list[tuple[list[str], dict[str, str]]]) -> list[subproces
         for argv, env in commands
     ]
     for p in procs:
-        p.out, p.err = p.communicate(timeout=600)
+        p.out, p.err = p.communicate(timeout=guard_s(60))  # all at once: ~20 interpreters
     return procs
 
 
