@@ -45,6 +45,13 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{message} (see '{self.prog} --help')")
         self.exit(EXIT_CONFIG)
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]):
+        # argparse drops a "--" value (``--seed=--``) and hands the option an empty list
+        # without calling its type: refused here, as the missing value it is.
+        if action.nargs is None and action.option_strings and arg_strings == ["--"]:
+            self.error(f"argument {'/'.join(action.option_strings)}: expected a value, got '--'")
+        return super()._get_values(action, arg_strings)
+
 
 # Upper bounds of the command line's counts: far above any real use, low enough that a
 # typo (an extra digit, 1000000000 for 1000) is one error line here instead of a hang

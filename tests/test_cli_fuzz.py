@@ -188,7 +188,8 @@ def test_every_bad_value_of_every_flag_is_refused_up_front(fuzz_env, capsys):
             if not action.option_strings or action.nargs == 0:
                 continue
             flag = action.option_strings[-1]
-            for value in _bad_values(command, action):
+            # "--": argparse drops it and hands the flag [] without calling its type
+            for value in [*_bad_values(command, action), "--"]:
                 argv = _command_line(command, flag, value, _partners(parser, action), fuzz_env)
                 got, text = outcome(argv)
                 counts[got] += 1
@@ -234,7 +235,7 @@ def test_an_integer_flag_takes_exactly_the_integers_in_its_range(fuzz_env, case,
     argv = _command_line(command, flag, text, set(), fuzz_env)
     got, message = outcome(argv)
     assert got in (REFUSED, WORK_STARTED), (argv, got, message)
-    type_error = f"argument {flag}: expected an integer" in message or "argument -n" in message
+    type_error = f"argument {flag}: expected" in message  # the parser's own refusal
     if _valid_integer(text, kind.low, kind.high):
         assert not type_error, (argv, message)  # refused later, if at all, for another reason
     else:
