@@ -24,7 +24,7 @@ import torch
 
 from glmport.core.environment import device_name, versions
 from glmport.core.errors import ConfigError
-from glmport.core.extras import EXTRAS
+from glmport.core.extras import install_command
 from glmport.core.formats import FLOAT_WEIGHT
 from glmport.core.registry import REGISTRY
 from glmport.core.selection import use_backend
@@ -45,7 +45,6 @@ SCHEMA_VERSION = 1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A grid cell whose pair did not run: one of its backends raised on the model.
 NO_PAIR = "error"
-_NO_HEATMAP = f"matplotlib is not installed: pip install 'glmport[{EXTRAS['matplotlib'][1]}]'"
 
 
 def parse_dtypes(text: str, flag: str = "--dtypes") -> tuple[torch.dtype, ...]:
@@ -324,7 +323,8 @@ def write_matrix(result: dict, directory: str | Path) -> list[Path]:
         result["heatmap"] = {"file": png.name, "why": ""}
     except ImportError:
         png.unlink(missing_ok=True)  # a stale image would show another run's figures
-        result["heatmap"] = {"file": None, "why": _NO_HEATMAP}
+        why = f"matplotlib is not installed: {install_command(['matplotlib'])}"
+        result["heatmap"] = {"file": None, "why": why}
     json_path, md_path = out / "matrix.json", out / "matrix.md"
     json_path.write_text(json.dumps(result, indent=2))
     md_path.write_text(markdown(result))

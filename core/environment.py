@@ -121,6 +121,27 @@ def _mebibytes(raw: str) -> float:
     return mb
 
 
+def _known_op(op: str, raw: str, source: str) -> str:
+    """``op`` when it is an op of the interface; else a ConfigError naming ``source`` and
+    its text ``raw`` as given."""
+    if op not in INTERFACE_NAMES:
+        raise ConfigError(
+            f"{source}={raw!r}: unknown op {op!r}; ops are {', '.join(INTERFACE_NAMES)}"
+        )
+    return op
+
+
+def parse_op_names(raw: str, source: str) -> tuple[str, ...]:
+    """Parse ``"op,op"`` (such as ``glmport conformance --ops``) into op names; an unknown
+    op, one named twice or no op at all is a :class:`ConfigError` naming ``source``."""
+    ops = [_known_op(op, raw, source) for op in filter(None, (e.strip() for e in raw.split(",")))]
+    twice = sorted({op for op in ops if ops.count(op) > 1})
+    if twice or not ops:
+        why = f"op {twice[0]!r} given twice" if twice else "no op named"
+        raise ConfigError(f"{source}={raw!r}: {why}; expected comma-separated op names")
+    return tuple(ops)
+
+
 def parse_op_overrides(raw: str, source: str = "GLMPORT_OPS") -> tuple[tuple[str, str], ...]:
     """Parse ``"op=backend,op=backend"`` into ``((op, backend), ...)``. A malformed
     entry, an unknown op or an op named twice is a :class:`ConfigError` naming
@@ -130,10 +151,7 @@ def parse_op_overrides(raw: str, source: str = "GLMPORT_OPS") -> tuple[tuple[str
         op, sep, backend = (p.strip() for p in entry.partition("="))
         if not sep or not op or not backend:
             raise ConfigError(f"{source}={raw!r}: malformed entry {entry!r}; expected op=backend")
-        if op not in INTERFACE_NAMES:
-            raise ConfigError(
-                f"{source}={raw!r}: unknown op {op!r}; ops are {', '.join(INTERFACE_NAMES)}"
-            )
+        _known_op(op, raw, source)
         if op in pairs:
             # Which one should win is a guess either way: refuse rather than pick.
             raise ConfigError(

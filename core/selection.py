@@ -60,6 +60,9 @@ class Settings:
     """The selection in force: what the environment says, as amended in code."""
 
     backend: str = AUTO
+    # Where ``backend`` came from, for errors: the variable, or the use_backend call
+    # (or the command-line flag a caller names in it).
+    backend_source: str = "GLMPORT_BACKEND"
     device: str | None = None
     emulate: bool = False
     ops: tuple[tuple[str, str], ...] = ()
@@ -168,6 +171,7 @@ def use_backend(
     emulate: bool | None = None,
     device: str | torch.device | None = None,
     shadow: str | None = None,
+    source: str | None = None,
 ) -> Iterator[Settings]:
     """Run a block of code with another backend (or per-op overrides) selected.
 
@@ -177,11 +181,14 @@ def use_backend(
         with glmport.use_backend("generic", ops={"sparse_attention": "cpu"}):
             out, lse = glmport.ops.sparse_attention(q, k, v, idx, scale)
 
-    The selection is checked on entry: an unknown or unavailable backend raises here.
+    The selection is checked on entry: an unknown or unavailable backend raises here,
+    naming ``source`` as where ``name`` came from (default ``use_backend('<name>')``; a
+    command line passes its flag, such as ``"--backend"``).
     """
     layer: list[tuple[str, object]] = []
     if name is not None:
         layer.append(("backend", name))
+        layer.append(("backend_source", source or f"use_backend({name!r})"))
     if ops is not None:
         text = ",".join(f"{op}={b}" for op, b in ops.items())
         layer.append(("ops", parse_op_overrides(text, source="use_backend(ops=...)")))
@@ -219,7 +226,7 @@ def primary_backend(settings: Settings | None = None) -> str:
     name. Op calls under ``auto`` follow their inputs' device instead."""
     settings = settings or current_settings()
     if settings.backend != AUTO:
-        _require_available(settings.backend, settings, "GLMPORT_BACKEND / use_backend")
+        _require_available(settings.backend, settings, settings.backend_source)
         return settings.backend
     return _auto(settings, None)
 
@@ -350,7 +357,7 @@ def _resolve(name: str, settings: Settings, device_type: str | None) -> Resoluti
         _require_available(override, settings, f"GLMPORT_OPS {name}={override}")
         requested = override
     elif settings.backend != AUTO:
-        _require_available(settings.backend, settings, "GLMPORT_BACKEND / use_backend")
+        _require_available(settings.backend, settings, settings.backend_source)
         requested = settings.backend
     else:
         requested = _auto(settings, device_type)

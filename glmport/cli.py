@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from glmport.core import environment
@@ -41,34 +45,129 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{message} (see '{self.prog} --help')")
         self.exit(EXIT_CONFIG)
 
-
-def _seed(text: str) -> int:
-    """A sampling seed: an integer torch's generators take, -2**63 to 2**64 - 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not -(1 << 63) <= value < 1 << 64:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer from -2**63 to 2**64-1 (64 bits), got {text}"
-        )
-    return value
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]):
+        # argparse drops a "--" value (``--seed=--``) and hands the option an empty list
+        # without calling its type: refused here, as the missing value it is.
+        if action.nargs is None and action.option_strings and arg_strings == ["--"]:
+            self.error(f"argument {'/'.join(action.option_strings)}: expected a value, got '--'")
+        return super()._get_values(action, arg_strings)
 
 
-def _positive(text: str) -> int:
-    """A whole number of at least 1."""
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return int(text)
+# Upper bounds of the command line's counts: far above any real use, low enough that a
+# typo (an extra digit, 1000000000 for 1000) is one error line here instead of a hang
+# or an allocator failure later. Token counts are checked again against the model's
+# max_position_embeddings once it is loaded (_fits_model).
+MAX_TOKENS = 1 << 24  # tokens of one sequence or request
+MAX_WORKERS = 256  # processes or actors, each with its own copy of the model
+MAX_COUNT = 1 << 20  # episodes, turns, sessions, calibration sequences, layers
+# Plain ASCII integers only: int() also takes "1_000", other scripts' digits and
+# strings of any length (and a 5000-digit one raises ValueError).
+_INTEGER = re.compile(r"[+-]?[0-9]{1,40}", re.ASCII)
+
+
+def _integer(low: int, high: int, why: str = "", *, shown: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` in ASCII digits, or one
+    error line naming the range (``shown`` instead of the numbers) and ``why``. The
+    bounds stay readable on it (``.low``, ``.high``) for help and tests."""
+    span = shown or f"from {low} to {high}"
+    reason = f" ({why})" if why else ""
+
+    def parse(text: str) -> int:
+        if not _INTEGER.fullmatch(text) or not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer {span}{reason}, got {text!r}")
+        return int(text)
+
+    parse.low, parse.high = low, high
+    return parse
+
+
+def _real(low: float, why: str) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``low``, or one error line saying ``why``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > low):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number above {low:g} ({why}), got {text!r}"
+            )
+        return value
+
+    parse.low = low
+    return parse
+
+
+_seed = _integer(-(1 << 63), (1 << 64) - 1, "64 bits", shown="from -2**63 to 2**64-1")
+_xdist_count = _integer(0, MAX_WORKERS)
 
 
 def _workers(text: str) -> str:
-    """pytest-xdist's -n: auto, logical, or a whole number of workers (0: none)."""
-    if text in ("auto", "logical") or (text.isascii() and text.isdigit()):
+    """pytest-xdist's -n: auto, logical, or a number of workers (0: none)."""
+    if text in ("auto", "logical"):
         return text
-    raise argparse.ArgumentTypeError(
-        f"expected auto, logical or a whole number of workers (0: none), got {text!r}"
-    )
+    try:
+        return str(_xdist_count(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected auto, logical or a number of workers from 0 (none) to {MAX_WORKERS}, "
+            f"got {text!r}"
+        ) from None
+
+
+def _check_out(path: str, flag: str, *, folder: bool = True, empty: bool = False) -> Path:
+    """Check, before any work, that ``flag``'s ``path`` can be written: nothing there
+    yet, or a folder (``folder=False``: a file), inside a folder that lets a file be
+    created (tried: permissions alone do not say it for root or a read-only mount);
+    with ``empty``, an existing folder must hold nothing a run would overwrite. Creates
+    nothing. A ConfigError naming ``flag`` otherwise."""
+    if not path:
+        raise ConfigError(f"{flag} must name a path, got ''")
+    out = Path(path)
+    if out.is_symlink() and not out.exists():
+        raise ConfigError(f"{flag} {out} is a link to nothing ({os.readlink(out)})")
+    if out.exists():
+        if folder and not out.is_dir():
+            raise ConfigError(f"{flag} {out} exists and is not a folder")
+        if not folder and out.is_dir():
+            raise ConfigError(f"{flag} {out} is a folder; expected a file to write")
+        if empty and any(out.iterdir()):
+            raise ConfigError(
+                f"{flag} {out} already holds files this would overwrite; choose another {flag}"
+            )
+    where = out if out.is_dir() else out.parent
+    while not where.exists():  # the nearest folder that exists: the rest is made later
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"{flag} {out}: {where} is a file, so nothing can be made under it")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".glmport-probe-", dir=where)
+    except OSError as err:
+        raise ConfigError(f"{flag} {out}: cannot write in {where} ({err.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return out
+
+
+def _fits_model(model, flag: str, tokens: int) -> None:
+    """``tokens`` (from ``flag``) must fit the loaded model's context."""
+    limit = model.config.max_position_embeddings
+    if tokens > limit:
+        raise ConfigError(
+            f"{flag}: {tokens} tokens exceed the model's max_position_embeddings {limit}"
+        )
+
+
+def _select(name: str | None, flag: str):
+    """``use_backend`` for the backend a command-line ``flag`` named (None: the
+    selection in force), so an unknown, unavailable or empty one is reported as
+    ``flag``'s."""
+    from glmport.core.selection import use_backend
+
+    if name == "":  # not "the selection": a flag given must name something
+        raise ConfigError(f"{flag} must name a backend, got ''")
+    return use_backend(name, source=flag)
 
 
 def _check_environment() -> None:
@@ -81,14 +180,16 @@ def _check_environment() -> None:
     selected_device(current_settings())
 
 
-def collect_info(backend: str | None = None, emulate: bool = False) -> dict:
+def collect_info(
+    backend: str | None = None, emulate: bool = False, source: str | None = None
+) -> dict:
     """Everything ``glmport info`` reports, as plain data, under the current selection
     or with ``backend`` selected (and ``emulate``: vendor backends on the CPU). Raises
-    GlmportError on a bad configuration (unknown or unavailable backend, malformed
-    variable)."""
+    GlmportError on a bad configuration (unknown or unavailable backend, named as
+    ``source``'s; malformed variable)."""
     from glmport.core.selection import use_backend
 
-    with use_backend(backend, emulate=emulate or None):
+    with use_backend(backend, emulate=emulate or None, source=source):
         return _collect_info()
 
 
@@ -225,7 +326,7 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    info = collect_info(args.backend, args.emulate)
+    info = collect_info(args.backend, args.emulate, source="--backend")
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -261,23 +362,23 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
     from glmport.conformance import suite
     from glmport.core.registry import REGISTRY, register_backend_target
-    from glmport.core.selection import parse_op_overrides
 
     # Registered here to check them and name the default backend; the suite's plug-in
     # registers them again in every pytest-xdist worker.
     plugins = [register_backend_target(t) for t in args.plugin]
     _check_environment()
+    _check_out(args.report_dir, "--report-dir")
     if args.matrix:
         return _conformance_matrix(args)
     for flag, value in (("--backends", args.backends), ("--dtypes", args.dtypes)):
         if value is not None:
             raise ConfigError(f"{flag} goes with --matrix (the suite judges one --backend)")
     default = plugins[0] if plugins else environment.read("GLMPORT_BACKEND")
-    backend = args.backend or default
+    backend = default if args.backend is None else args.backend
     if backend != "auto":
         REGISTRY.get(backend, "--backend")  # unknown: an error listing the valid names
-    if args.ops:
-        parse_op_overrides(",".join(f"{op}=cpu" for op in args.ops.split(",")), "--ops")
+    if args.ops is not None:
+        environment.parse_op_names(args.ops, "--ops")
     # An unavailable backend still runs: its checks are reported as skipped, with the
     # reason, and the run exits non-zero because nothing passed.
     pytest_args = [
@@ -338,6 +439,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             raise ConfigError(f"--follow must name one of --backends {names}, got {args.follow!r}")
         if args.follow == names[1]:  # the followed backend runs first
             names.reverse()
+    _check_out(args.out, "--out")
     model = _load_model(args.model, args.dtype)
     vocab = model.config.vocab_size
     if args.input_ids is not None:
@@ -347,8 +449,10 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--input-ids needs at least 2 token ids in [0, {vocab}), got {args.input_ids!r}"
             )
+        _fits_model(model, "--input-ids", len(ids))
         input_ids = torch.tensor([ids])
     else:
+        _fits_model(model, "--random", args.random)
         gen = torch.Generator().manual_seed(args.seed)
         input_ids = torch.randint(0, vocab, (1, args.random), generator=gen)
     report = diff.diff_backends(
@@ -406,25 +510,23 @@ def _parse_ids(text: str, flag: str) -> list[int]:
 
 def _load_model(spec: str, dtype: str = "fp32"):
     """``--model``: "tiny" (random, seed 0) or a checkpoint folder, in ``dtype``."""
-    from pathlib import Path
-
     import torch
 
     from glmport.model import GlmMoeDsaForCausalLM
 
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     if spec == "tiny":
         model = GlmMoeDsaForCausalLM.from_config("tiny", seed=0)
-    elif Path(spec).is_dir():
-        model = GlmMoeDsaForCausalLM.from_pretrained(spec)
+    elif Path(spec).is_dir():  # cast as read: a checkpoint of mixed dtypes loads as one
+        model = GlmMoeDsaForCausalLM.from_pretrained(spec, dtype=torch_dtype)
     else:
         raise ConfigError(
             f"--model must be 'tiny' or a checkpoint folder with config.json, got {spec!r}"
         )
-    return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
+    return model.to(torch_dtype).eval()
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import glmport
     from glmport.model.generation import generate
     from glmport.model.sampling import SamplingNames, check_sampling
 
@@ -452,7 +554,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     input_ids = _parse_ids(args.input_ids, "--input-ids")
     stop_tokens = _parse_ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens else []
     model = _load_model(args.model)
-    with glmport.use_backend(args.backend or None):
+    with _select(args.backend, "--backend"):
         result = generate(
             model,
             [input_ids],
@@ -490,10 +592,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_indexcache_search(args: argparse.Namespace) -> int:
     import time
-    from pathlib import Path
 
-    import glmport
     from glmport.model.indexcache import (
+        check_calibration_size,
         check_search,
         pattern_string,
         random_calibration,
@@ -502,9 +603,10 @@ def _cmd_indexcache_search(args: argparse.Namespace) -> int:
     )
 
     _check_environment()
-    out = Path(args.out or f"{Path(args.model)}-indexcache-{args.keep}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty folder; choose another --out")
+    default = f"{Path(args.model)}-indexcache-{args.keep}"
+    out = _check_out(default if args.out is None else args.out, "--out", empty=True)
+    if args.random is not None:
+        check_calibration_size(args.random, args.seq_len)  # before loading the model
     model = _load_model(args.model)
     config = model.config
     check_search(config, args.keep)  # before reading a calibration file
@@ -512,6 +614,7 @@ def _cmd_indexcache_search(args: argparse.Namespace) -> int:
         sequences = read_calibration(args.calib, config.vocab_size)
     else:
         sequences = random_calibration(args.random, args.seq_len, config.vocab_size, args.seed)
+    _fits_model(model, "--calib" if args.calib else "--seq-len", max(map(len, sequences)))
     if max(map(len, sequences)) <= config.index_topk:
         print(
             f"glmport: warning: no calibration sequence is longer than index_topk "
@@ -527,7 +630,7 @@ def _cmd_indexcache_search(args: argparse.Namespace) -> int:
             print(f"baseline: loss {ev.loss:.6f}, pattern {start}")
 
     began = time.perf_counter()
-    with glmport.use_backend(args.backend or None), _search_progress(args.json) as progress:
+    with _select(args.backend, "--backend"), _search_progress(args.json) as progress:
         result = search(
             model,
             sequences,
@@ -605,10 +708,24 @@ def _async_options(args: argparse.Namespace) -> dict:
 
 
 def _cmd_rl_train(args: argparse.Namespace) -> int:
+    from glmport.core.extras import require
+
+    # curves.png, the progress bar and the asynchronous trainer's workers; a resumed
+    # run's trainer checks for Ray itself once the checkpoint says its mode.
+    needs = ("matplotlib", *(() if args.quiet else ("rich",)))
+    require("glmport rl train", *needs, *(("ray",) if args.mode == "async" else ()))
+
     from glmport.rl.run import train
     from glmport.rl.trainer import RLConfig
 
     _check_environment()
+    _check_out(args.out, "--out")
+    for flag, name in (
+        ("--rollout-backend", args.rollout_backend),
+        ("--train-backend", args.train_backend),
+    ):
+        with _select(name, flag):  # unknown or unavailable: said now, as the flag's
+            pass
     if args.resume:
         given = [f for f in ("task", "digits", "opd_teacher", "init") if getattr(args, f)]
         if given:
@@ -697,14 +814,13 @@ def _cmd_rl_serve(args: argparse.Namespace) -> int:
             f"--host {args.host} is not a loopback address: serving beyond this machine needs "
             "a bearer token (--token or GLMPORT_GATEWAY_TOKEN)"
         )
-    for flag, value in (("--workers", args.workers), ("--max-sessions", args.max_sessions)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port must lie in 0..65535 (0: a free port), got {args.port}")
     _check_environment()
+    with _select(args.backend, "--backend"):  # the workers' backend, checked here first
+        pass
     spec, version = policy_source(args.model)
     model = _load_model(spec)
+    if args.max_new_tokens_limit is not None:
+        _fits_model(model, "--max-new-tokens-limit", args.max_new_tokens_limit)
     options = dict(
         workers=args.workers, backend=args.backend, dtype=args.dtype, max_sessions=args.max_sessions
     )
@@ -745,7 +861,8 @@ def _cmd_rl_agent(args: argparse.Namespace) -> int:
 
     from glmport.core.extras import require
 
-    require("glmport rl agent", "httpx", *(() if args.gateway else ("fastapi", "uvicorn")))
+    remote = args.gateway is not None
+    require("glmport rl agent", "httpx", *(() if remote else ("fastapi", "uvicorn")))
 
     from glmport.model.sampling import SamplingNames
     from glmport.rl.agent import (
@@ -759,20 +876,24 @@ def _cmd_rl_agent(args: argparse.Namespace) -> int:
     from glmport.rl.context import parse_context
     from glmport.rl.sessions import session_sampling
 
-    if args.token and not args.gateway:
+    if args.token and not remote:
         raise ConfigError("--token is the bearer token of --gateway; the in-process one needs none")
     session_sampling(args.temperature, names=SamplingNames(temperature="--temperature"))
     context = parse_context(args.context)
     env = AgentEnv(args.task, max_turns=args.max_turns, max_context=args.max_context)
     with ExitStack() as stack:
-        if args.gateway:
-            client = stack.enter_context(GatewayClient(args.gateway, args.token))
+        if remote:
+            client = stack.enter_context(
+                GatewayClient(args.gateway, args.token, source="--gateway")
+            )
         else:
             from glmport.rl.gateway import policy_source
 
             _check_environment()
-            spec, version = policy_source(args.model or "tiny")
-            client = stack.enter_context(local_gateway(_load_model(spec), version))
+            spec, version = policy_source("tiny" if args.model is None else args.model)
+            model = _load_model(spec)
+            _fits_model(model, "--max-context", args.max_context)
+            client = stack.enter_context(local_gateway(model, version))
         trajectories = run_episodes(
             env,
             client,
@@ -808,17 +929,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
     """Export, save, and (unless --no-check) run the export against the eager model."""
     import time
 
-    import glmport
     from glmport.core.errors import UnsupportedError
     from glmport.export.check import compare
 
     _check_environment()
     _require_export_extra()
+    _check_out(args.out, "--out", folder=args.target == "tvm")
     model = _load_model(args.model, args.dtype)
     kind = "decode" if args.decode else "prefill"
     start = time.perf_counter()
     fixed = None
-    with glmport.use_backend(args.backend or None):
+    with _select(args.backend, "--backend"):
         if args.target == "onnx":
             from glmport.export.onnx_model import OnnxRuntimeModel, export_onnx, save_onnx
 
@@ -976,7 +1097,11 @@ def build_parser() -> argparse.ArgumentParser:
     ids = dif.add_mutually_exclusive_group()
     ids.add_argument("--input-ids", default=None, help="comma-separated token ids (one sequence)")
     ids.add_argument(
-        "--random", type=_positive, default=32, metavar="N", help="N random tokens (default)"
+        "--random",
+        type=_integer(2, MAX_TOKENS, "tokens of one sequence"),
+        default=32,
+        metavar="N",
+        help="N random tokens (default 32)",
     )
     dif.add_argument("--seed", type=_seed, default=0, help="seed of --random's tokens")
     dif.add_argument(
@@ -1011,9 +1136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="'tiny' (random, seed 0) or a checkpoint folder"
     )
     gen.add_argument("--input-ids", required=True, help="prompt token ids, e.g. 1,2,3")
-    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--max-new-tokens", type=_integer(0, MAX_TOKENS, "tokens"), required=True)
     gen.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
-    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument(
+        "--temperature",
+        type=_real(0, "sampling; leave out the sampling flags, or pass --greedy, for argmax"),
+        default=None,
+    )
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=_seed, default=None, help="-2**63 to 2**64-1")
@@ -1039,12 +1168,23 @@ def build_parser() -> argparse.ArgumentParser:
     calib.add_argument(
         "--calib", default=None, metavar="FILE", help="token ids, one sequence per line"
     )
-    calib.add_argument("--random", type=_positive, metavar="N", help="N random sequences")
+    calib.add_argument(
+        "--random", type=_integer(1, MAX_COUNT, "sequences"), metavar="N", help="N random sequences"
+    )
     ics.add_argument(
-        "--seq-len", type=_positive, default=64, help="length of --random's sequences (64)"
+        "--seq-len",
+        type=_integer(2, MAX_TOKENS, "a token and its next at least"),
+        default=64,
+        help="length of --random's sequences (64)",
     )
     ics.add_argument("--seed", type=_seed, default=0, help="seed of --random's tokens (0)")
-    ics.add_argument("--keep", type=_positive, required=True, metavar="K", help="full layers kept")
+    ics.add_argument(
+        "--keep",
+        type=_integer(1, MAX_COUNT, "layers"),
+        required=True,
+        metavar="K",
+        help="full layers kept",
+    )
     ics.add_argument(
         "--out", default=None, help="folder for the copy (default: <model>-indexcache-<K>)"
     )
@@ -1059,7 +1199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "latent and indexer caches) or, with --decode, one decode step on those caches; "
         "batch, sequence and cache axes stay dynamic. Then run the export on sample tokens "
         "and compare its logits with eager torch (skip with --no-check). Needs the export "
-        "extra: pip install 'glmport[export]'.",
+        "extra (onnx, onnxruntime, onnxscript, apache-tvm).",
     )
     targets = exp.add_subparsers(dest="target", required=True)
     for target, out_help in (("onnx", "the .onnx file to write"), ("tvm", "folder to write")):
@@ -1101,11 +1241,17 @@ def build_parser() -> argparse.ArgumentParser:
         "bounded staleness, double-sided importance sampling. Writes metrics.jsonl, "
         "curves.png and checkpoint/ (and ledger.jsonl when async) into --out.",
     )
+    from glmport.rl.tasks import MAX_DIGITS
     from glmport.rl.trainer import DEFAULT_KL_COEF, DEFAULT_LR, DEFAULT_LR_DISTILL, RLConfig
 
     d = RLConfig()
     tr.add_argument("--task", choices=("reverse", "add"), default=None, help=f"default: {d.task}")
-    tr.add_argument("--digits", type=int, default=None, help="digits per number (task default)")
+    tr.add_argument(
+        "--digits",
+        type=_integer(1, MAX_DIGITS, "a CPU-sized toy task"),
+        default=None,
+        help="digits per number (task default)",
+    )
     tr.add_argument("--steps", type=int, default=None, help=f"RL steps (default {d.steps})")
     tr.add_argument("--prompts", type=int, default=d.prompts_per_step, help="prompts per step")
     tr.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
@@ -1233,17 +1379,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="'tiny' (random, seed 0), a checkpoint folder, or an RL checkpoint "
         "(out/checkpoint: its policy and policy version)",
     )
-    sv.add_argument("--workers", type=int, default=1, help="rollout workers")
+    sv.add_argument(
+        "--workers",
+        type=_integer(1, MAX_WORKERS, "each holds a model"),
+        default=1,
+        help="rollout workers",
+    )
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    sv.add_argument("--port", type=int, default=8000, help="0: a free port")
+    sv.add_argument(
+        "--port", type=_integer(0, 65535, "0: a free port"), default=8000, help="0: a free port"
+    )
     sv.add_argument("--token", default=None, help="bearer token every request must send")
     sv.add_argument("--openapi", action="store_true", help="serve the schema at /openapi.json")
     sv.add_argument("--backend", default=None, help="workers' glmport backend")
     sv.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="workers' dtype")
-    sv.add_argument("--max-sessions", type=int, default=64, help="cached sessions per worker")
+    sv.add_argument(
+        "--max-sessions",
+        type=_integer(1, MAX_COUNT, "each holds a KV cache"),
+        default=64,
+        help="cached sessions per worker",
+    )
     sv.add_argument(
         "--max-new-tokens-limit",
-        type=int,
+        type=_integer(1, MAX_TOKENS, "tokens"),
         default=None,
         help="largest max_new_tokens a request may ask (default 1024)",
     )
@@ -1269,15 +1427,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ag.add_argument("--token", default=None, help="bearer token of --gateway")
     ag.add_argument("--task", choices=("lookup", "add"), default="lookup")
-    ag.add_argument("--episodes", type=int, default=4)
+    ag.add_argument("--episodes", type=_integer(1, MAX_COUNT, "episodes"), default=4)
     ag.add_argument(
         "--context",
         default="none",
         help="none | keep-recent:K | discard-all:T | hybrid:K,T (GLM-5's context management)",
     )
-    ag.add_argument("--max-turns", type=int, default=8, help="policy turns per episode")
     ag.add_argument(
-        "--max-context", type=int, default=256, help="request tokens (input + new) at most"
+        "--max-turns",
+        type=_integer(1, MAX_COUNT, "turns"),
+        default=8,
+        help="policy turns per episode",
+    )
+    ag.add_argument(
+        "--max-context",
+        type=_integer(1, MAX_TOKENS, "tokens"),
+        default=256,
+        help="request tokens (input + new) at most",
     )
     ag.add_argument("--temperature", type=float, default=1.0, help="sampling (0: greedy)")
     ag.add_argument("--seed", type=_seed, default=0, help="problems and sampling seeds")

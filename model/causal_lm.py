@@ -55,6 +55,57 @@ def _check_tensor(key: str, value: object, own: torch.Tensor) -> None:
         raise ConfigError(f"checkpoint tensor {key} has dtype {value.dtype}, expected {own.dtype}")
 
 
+def check_input_ids(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, vocab_size: int
+) -> None:
+    """Refuse what no forward can take (a ConfigError naming it): ``input_ids`` that are
+    not an integer ``[B, S]`` tensor of ids in ``[0, vocab_size)``, an ``attention_mask``
+    of another shape, or no token at all (B or S 0, or a mask of only zeros: there is
+    nothing to attend and no logit to return)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+        raise ConfigError(f"input_ids must be [B, S], got {shape!r}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ConfigError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ConfigError(
+            f"attention_mask shape {list(attention_mask.shape)} != "
+            f"input_ids shape {list(input_ids.shape)}"
+        )
+    if not input_ids.numel():
+        raise ConfigError(
+            f"input_ids must hold at least one token, got shape {list(input_ids.shape)} "
+            "(batch and sequence must be at least 1)"
+        )
+    if attention_mask is not None and not bool(attention_mask.bool().any()):
+        raise ConfigError("attention_mask marks no token (all zeros): nothing to run on")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+        raise ConfigError(f"input_ids must lie in [0, {vocab_size})")
+
+
+def _check_one_dtype(state: Mapping[str, torch.Tensor], weights: set[str]) -> None:
+    """Refuse a checkpoint whose floating ``weights`` (parameter names) are not all of one
+    dtype, naming the odd ones out. Buffers are free: the router's correction bias is
+    read in float32 whatever it is stored in."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key in sorted(weights):
+        by_dtype.setdefault(state[key].dtype, []).append(key)
+    if len(by_dtype) < 2:
+        return
+    most = max(by_dtype, key=lambda d: len(by_dtype[d]))
+    odd = "; ".join(
+        f"{len(keys)} {str(d).removeprefix('torch.')} ({', '.join(keys[:3])}"
+        f"{', ...' if len(keys) > 3 else ''})"
+        for d, keys in by_dtype.items()
+        if d != most
+    )
+    raise ConfigError(
+        f"checkpoint mixes weight dtypes: {len(by_dtype[most])} weights are "
+        f"{str(most).removeprefix('torch.')}, but {odd}; the model computes in one dtype: "
+        "load it with from_pretrained(dtype=...) to cast every tensor, or convert the checkpoint"
+    )
+
+
 class GlmMoeDsaForCausalLM(nn.Module):
     """GLM-5 with its LM head (and MTP layers under ``model.layers``)."""
 
@@ -123,11 +174,20 @@ class GlmMoeDsaForCausalLM(nn.Module):
         (:meth:`load_hf_state_dict`); any failure is a :class:`ConfigError` naming the
         file or tensor, raised before a weight is used. A checkpoint without MTP
         tensors (as transformers saves them) loads with ``num_nextn_predict_layers =
-        0``; any other missing or unexpected tensor is an error naming it.
+        0``; any other missing or unexpected tensor is an error naming it. ``dtype``
+        casts every floating tensor as it is read (so a checkpoint of mixed dtypes
+        loads as one); without it each keeps its own, and they must agree.
         """
         path = Path(path)
         config = GlmMoeDsaConfig.from_json_file(path / "config.json")
-        state = fuse_experts(dict(read_tensors(path)))
+        state = fuse_experts(
+            {
+                key: tensor.to(dtype)
+                if dtype is not None and tensor.is_floating_point()
+                else tensor
+                for key, tensor in read_tensors(path)
+            }
+        )
         mtp_prefix = f"model.layers.{config.num_hidden_layers}."
         if config.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in state):
             log.info("glmport: %s has no MTP layer tensors; loading without MTP", path)
@@ -135,7 +195,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.load_hf_state_dict(state)
-        return model.to(device=device, dtype=dtype) if dtype else model.to(device=device)
+        return model.to(device=device)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load fused-expert HF keys (:func:`fuse_experts` output), strictly and all or
@@ -145,7 +205,9 @@ class GlmMoeDsaForCausalLM(nn.Module):
         Each value must be a dense tensor holding data (not ``meta``) of the
         parameter's shape; floating parameters take float16, bfloat16, float32 or
         float64 tensors (the tensor's dtype is kept) with only finite values (one NaN
-        or Inf weight would poison every output); other buffers take their own dtype.
+        or Inf weight would poison every output), all of one dtype (the model computes
+        in one: a float16 ``lm_head`` beside float32 layers would fail at the first
+        forward); other buffers take their own dtype.
         """
         if not isinstance(state, Mapping):
             raise ConfigError(f"state must be a mapping of name -> tensor, got {type(state)}")
@@ -160,6 +222,9 @@ class GlmMoeDsaForCausalLM(nn.Module):
             )
         for key in sorted(state):
             _check_tensor(key, state[key], own[key])
+        _check_one_dtype(
+            state, {name for name, p in self.named_parameters() if p.is_floating_point()}
+        )
         self.load_state_dict(state, assign=True)
 
     def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 << 30) -> None:
@@ -213,17 +278,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         ``labels [B, S]``: next-token cross-entropy over positions whose label is not
         ``-100`` (labels are the inputs; the shift happens here).
         """
-        if input_ids.dim() != 2:
-            raise ConfigError(f"input_ids must be [B, S], got shape {list(input_ids.shape)}")
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ConfigError(
-                f"attention_mask shape {list(attention_mask.shape)} != "
-                f"input_ids shape {list(input_ids.shape)}"
-            )
-        if input_ids.numel() and (
-            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
-        ):
-            raise ConfigError(f"input_ids must lie in [0, {self.config.vocab_size})")
+        check_input_ids(input_ids, attention_mask, self.config.vocab_size)
         batch = pack(input_ids, attention_mask)
         hidden = self.model(batch)
         logits = self.lm_head(self.model.norm(hidden))

@@ -245,6 +245,42 @@ FIELD_RULES: dict[str, FieldRule] = {
     "index_skip_topk_offset": FieldRule(HONOURED, "shifts index_topk_freq's schedule"),
 }
 
+# The fields every GLM-5 / DeepSeek-V3.2 config.json carries (the hub's files do, and
+# transformers' save_pretrained writes each of them), as (what to call it, the keys that
+# may hold it). A default for one of these (transformers' are GLM-5's own dimensions,
+# and RoPE theta 10000) would silently describe another model, so a config.json
+# without one is refused. The other fields default to what real checkpoints hold, or
+# change no computation: see docs/model.md, "Required config fields".
+REQUIRED_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    *(
+        (name, (name,))
+        for name in ("model_type", *_POSITIVE_INTS, "n_shared_experts")
+        if name != "n_routed_experts"  # below, with its aliases
+    ),
+    ("n_routed_experts", ("n_routed_experts", "num_experts", "num_local_experts")),
+    ("routed_scaling_factor", ("routed_scaling_factor",)),
+    ("norm_topk_prob", ("norm_topk_prob",)),
+    ("rms_norm_eps", ("rms_norm_eps",)),
+    ("first_k_dense_replace", ("first_k_dense_replace", "mlp_layer_types")),
+    ("rope_theta", ("rope_theta", "rope_parameters.rope_theta", "rope_scaling.rope_theta")),
+)
+
+
+def _holds(data: dict, key: str) -> bool:
+    """Whether ``data`` sets ``key`` (``"a.b"``: key b of the object at a) to a value
+    (anything but an object at a counts: its own check names what is wrong with it)."""
+    head, _, rest = key.partition(".")
+    value = data.get(head)
+    if rest and isinstance(value, dict):
+        return value.get(rest) is not None
+    return value is not None
+
+
+def missing_required(data: dict) -> list[str]:
+    """The :data:`REQUIRED_FIELDS` a ``config.json`` object does not set."""
+    return [name for name, keys in REQUIRED_FIELDS if not any(_holds(data, k) for k in keys)]
+
+
 # -- RoPE scaling (transformers' rope_parameters) --------------------------------------
 
 # Keys each implemented rope_type reads, beyond rope_type, rope_theta and
@@ -657,13 +693,22 @@ class GlmMoeDsaConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> GlmMoeDsaConfig:
-        """Read and validate a ``config.json`` (a JSON object; see :meth:`from_dict`)."""
+        """Read and validate a ``config.json``: a JSON object that sets every one of
+        :data:`REQUIRED_FIELDS` (a checkpoint's file always does; defaults are for
+        what it may leave out), read as :meth:`from_dict` reads it."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ConfigError(f"cannot read model config {path}: {err}") from err
         if not isinstance(data, dict):
             raise ConfigError(f"model config {path} must hold a JSON object, got {_show(data)}")
+        absent = missing_required(data)
+        if absent:
+            raise ConfigError(
+                f"model config {path} does not set {', '.join(absent)}: every GLM-5 / "
+                "DeepSeek-V3.2 config.json carries these, and a default would describe "
+                "another model"
+            )
         return cls.from_dict(data)
 
     def to_dict(self) -> dict:

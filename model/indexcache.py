@@ -28,6 +28,11 @@ FULL, SHARED = "full", "shared"
 _DERIVATION_KEYS = ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
 # Sequences per forward when measuring the loss (padded to the longest of them).
 BATCH_SIZE = 8
+# The most calibration tokens a search takes: every step runs the model on all of them
+# once per remaining full layer, so more is hours of work (or a typo), and the ids are
+# held as Python lists. A --calib file's bytes are bounded by the same budget.
+MAX_CALIBRATION_TOKENS = 1 << 20
+_MAX_CALIBRATION_BYTES = 64 * MAX_CALIBRATION_TOKENS
 
 
 def pattern_string(types: Sequence[str]) -> str:
@@ -248,11 +253,17 @@ def read_calibration(path: str | Path, vocab_size: int) -> list[list[int]]:
     not a whole number, an id outside ``[0, vocab_size)``, a sequence shorter than 2 or
     a file with no sequence is a ConfigError naming the file (and line)."""
     path = Path(path)
+    if path.stat().st_size > _MAX_CALIBRATION_BYTES:
+        raise ConfigError(
+            f"--calib {path} holds {path.stat().st_size} bytes, more than the "
+            f"{_MAX_CALIBRATION_BYTES} a calibration set of {MAX_CALIBRATION_TOKENS} tokens needs"
+        )
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as err:
         raise ConfigError(f"--calib {path} is not UTF-8 text: {err}") from None
     sequences = []
+    total = 0
     for number, line in enumerate(lines, start=1):
         tokens = [t for t in re.split(r"[,\s]+", line) if t]
         if not tokens:
@@ -269,15 +280,31 @@ def read_calibration(path: str | Path, vocab_size: int) -> list[list[int]]:
             )
         if len(ids) < 2:
             raise ConfigError(f"{where}: a sequence needs at least 2 tokens, got {len(ids)}")
+        total += len(ids)
+        if total > MAX_CALIBRATION_TOKENS:
+            raise ConfigError(f"{where}: more than {MAX_CALIBRATION_TOKENS} calibration tokens")
         sequences.append(ids)
     if not sequences:
         raise ConfigError(f"--calib {path} holds no sequence")
     return sequences
 
 
+def check_calibration_size(count: int, seq_len: int) -> None:
+    """Refuse ``count`` (``--random``) sequences of ``seq_len`` (``--seq-len``) tokens
+    that are more than :data:`MAX_CALIBRATION_TOKENS` in all."""
+    if count * seq_len > MAX_CALIBRATION_TOKENS:
+        raise ConfigError(
+            f"--random {count} x --seq-len {seq_len} is more than the "
+            f"{MAX_CALIBRATION_TOKENS} calibration tokens a search takes (each step runs the "
+            "model on all of them once per remaining full layer)"
+        )
+
+
 def random_calibration(count: int, seq_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """``count`` sequences of ``seq_len`` uniform random token ids (``--random``), drawn
-    from a torch generator seeded with ``seed``."""
+    from a torch generator seeded with ``seed``; at most :data:`MAX_CALIBRATION_TOKENS`
+    in all."""
+    check_calibration_size(count, seq_len)
     if seq_len < 2:
         raise ConfigError(f"--seq-len must be at least 2 (a token and its next), got {seq_len}")
     gen = torch.Generator().manual_seed(seed)

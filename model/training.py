@@ -38,7 +38,7 @@ from torch import nn
 import glmport.ops as ops
 from glmport.core.errors import ConfigError
 
-from .causal_lm import IGNORE_INDEX, GlmMoeDsaForCausalLM
+from .causal_lm import IGNORE_INDEX, GlmMoeDsaForCausalLM, check_input_ids
 from .modeling import Attention, AttentionRecord, pack, record_attention
 
 DENSE_WARMUP = "dense_warmup"
@@ -258,19 +258,17 @@ def training_losses(
             whose parameters no other loss reaches).
     """
     warmup = check_stage(stage) == DENSE_WARMUP
-    if input_ids.dim() != 2:
-        raise ConfigError(f"input_ids must be [B, S], got shape {list(input_ids.shape)}")
+    check_input_ids(input_ids, attention_mask, model.config.vocab_size)
     mask = (
         torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask is None
         else attention_mask.bool()
     )
     labels = input_ids if labels is None else labels
-    for name, t in (("attention_mask", mask), ("labels", labels)):
-        if t.shape != input_ids.shape:
-            raise ConfigError(
-                f"{name} shape {list(t.shape)} != input_ids shape {list(input_ids.shape)}"
-            )
+    if labels.shape != input_ids.shape:
+        raise ConfigError(
+            f"labels shape {list(labels.shape)} != input_ids shape {list(input_ids.shape)}"
+        )
     if mtp_depth < 0 or (mtp_depth and not model.model.mtp_layers):
         raise ConfigError(
             f"mtp_depth must be >= 0 and needs MTP layers (got {mtp_depth} with "

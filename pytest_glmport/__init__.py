@@ -67,18 +67,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _settings(config: pytest.Config) -> SuiteSettings:
     from glmport.conformance.runner import device_for
     from glmport.core import environment
+    from glmport.core.errors import ConfigError
     from glmport.core.registry import REGISTRY
     from glmport.core.selection import current_settings, primary_backend, use_backend
-    from glmport.core.specs import INTERFACE_NAMES
 
     ops = config.getoption("--glmport-ops")
     if ops:
-        ops = tuple(o.strip() for o in ops.split(",") if o.strip())
-        unknown = [o for o in ops if o not in INTERFACE_NAMES]
-        if unknown:
-            raise pytest.UsageError(
-                f"--glmport-ops: unknown ops {unknown}; ops are {', '.join(INTERFACE_NAMES)}"
-            )
+        try:
+            ops = environment.parse_op_names(ops, "--glmport-ops")
+        except ConfigError as err:
+            raise pytest.UsageError(str(err)) from None
     emulate = config.getoption("--glmport-emulate") or current_settings().emulate
     plugins = _register_plugins(config)
     backend = (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -55,7 +56,8 @@ class GatewayClient:
     """A synchronous client of the gateway.
 
     Args:
-        url: the gateway's base URL, e.g. ``http://127.0.0.1:8000``.
+        url: the gateway's base URL, e.g. ``http://127.0.0.1:8000`` (anything else is a
+            ConfigError naming ``source``, the argument or flag it came from).
         token: the bearer token, if the gateway wants one.
         timeout: seconds per request.
         http: an ``httpx.Client`` to send through instead of a new one (e.g. FastAPI's
@@ -63,10 +65,27 @@ class GatewayClient:
     """
 
     def __init__(
-        self, url: str, token: str | None = None, *, timeout: float = 60.0, http: Any = None
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        http: Any = None,
+        source: str = "url",
     ) -> None:
         import httpx
 
+        try:
+            parts = urllib.parse.urlsplit(url)
+            usable = parts.scheme in ("http", "https") and parts.hostname
+            usable = usable and (parts.port is None or parts.port > 0)
+        except (ValueError, TypeError, AttributeError):  # "[::1", a bad port, not text
+            usable = False
+        if not usable:
+            raise ConfigError(
+                f"{source} must be an http(s) URL of a gateway, e.g. http://127.0.0.1:8000, "
+                f"got {url!r}"
+            )
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own = http is None

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from glmport.core.errors import ConfigError
+from glmport.core.extras import install_command
 
 __all__ = ["MetricsLog", "plot_curves"]
 
@@ -148,7 +149,8 @@ def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") ->
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ConfigError(
-            "plot_curves needs matplotlib, which is not installed: pip install 'glmport[rl]'"
+            "plot_curves needs matplotlib, which is not installed: "
+            + install_command(["matplotlib"])
         ) from err
 
     out = Path(out)

@@ -20,6 +20,8 @@ import torch
 from glmport.core.errors import ConfigError, check_int
 
 __all__ = [
+    "MAX_BASE",
+    "MAX_DIGITS",
     "TASKS",
     "AdditionTask",
     "Problem",
@@ -29,6 +31,22 @@ __all__ = [
     "make_task",
     "shuffled_rewards",
 ]
+
+
+# The toy tasks are CPU-sized: a sample is about 3 x digits tokens, rolled out and
+# trained on prompts x group-size times a step, and the vocabulary is base + 2 rows of
+# the policy. Beyond these a run is a typo that would end in the allocator.
+MAX_DIGITS = 64
+MAX_BASE = 1024
+
+
+def _size(name: str, value: object, minimum: int, maximum: int) -> int:
+    value = check_int(f"argument {name!r}", value, minimum)
+    if value > maximum:
+        raise ConfigError(
+            f"argument {name!r} must be at most {maximum} (a CPU-sized toy task), got {value}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -117,8 +135,8 @@ class ReverseTask(Task):
 
     def __init__(self, digits: int = 3, base: int = 10) -> None:
         self.name = "reverse"
-        self.digits = check_int("argument 'digits'", digits, 1)
-        self.base = check_int("argument 'base'", base, 2)
+        self.digits = _size("digits", digits, 1, MAX_DIGITS)
+        self.base = _size("base", base, 2, MAX_BASE)
         self.vocab_size = self.base + 2
         self.prompt_len = self.digits + 1
         self.response_len = self.digits
@@ -150,8 +168,8 @@ class AdditionTask(Task):
 
     def __init__(self, digits: int = 2, base: int = 10) -> None:
         self.name = "add"
-        self.digits = check_int("argument 'digits'", digits, 1)
-        self.base = check_int("argument 'base'", base, 2)
+        self.digits = _size("digits", digits, 1, MAX_DIGITS)
+        self.base = _size("base", base, 2, MAX_BASE)
         self.vocab_size = self.base + 2
         self.prompt_len = 2 * self.digits + 2
         self.response_len = self.digits + 1

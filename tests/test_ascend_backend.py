@@ -21,6 +21,7 @@ from glmport.backends.ascend.chips import chip_generation
 from glmport.cli import main
 from glmport.conformance.cases import all_cases
 from glmport.core import selection
+from glmport.core.extras import pip_command
 from glmport.core.selection import resolve
 from glmport.core.specs import SPECS
 
@@ -49,7 +50,7 @@ def test_chip_generation_from_the_soc_name(soc, generation):
 def test_without_torch_npu_the_probe_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     avail = BACKEND.probe(emulate=False)
-    assert not avail.ok and "pip install glmport[ascend]" in avail.reason
+    assert not avail.ok and pip_command(["ascend"], ["torch-npu"]) in avail.reason
     assert "GLMPORT_EMULATE=1" in avail.reason
 
 

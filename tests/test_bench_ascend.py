@@ -20,7 +20,7 @@ SECTIONS = {"attention", "indexer", "moe", "quant", "norm_rope"}
 
 def test_smoke_run_covers_every_section_and_agrees_with_generic(tmp_path):
     out = tmp_path / "ascend-smoke.json"
-    data = run_bench_json("ascend_backend.py", out, "--smoke", timeout=600)
+    data = run_bench_json("ascend_backend.py", out, "--smoke", idle_s=150)
     rows = data["rows"]
     assert data["smoke"] is True and {r["section"] for r in rows} == SECTIONS
     ops = {r["op"] for r in rows}

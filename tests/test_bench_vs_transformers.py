@@ -12,7 +12,7 @@ pytest.importorskip("transformers", minversion="5.18")
 
 def test_quick_run_times_both_sides_and_agrees_with_transformers(tmp_path):
     out = tmp_path / "vs.json"
-    data = run_bench_json("vs_transformers.py", out, "--quick", timeout=600)
+    data = run_bench_json("vs_transformers.py", out, "--quick", idle_s=150)
     assert data["config"]["index_topk"] < 300  # the quick prompt runs the indexer
     for case in ("prefill", "decode"):
         (row,) = data[case]

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import guard_s
 
 from glmport.cli import main
 
@@ -26,7 +27,9 @@ def _run(args, cwd, pythonpath=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
     if pythonpath:
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(  # a conformance run (quick, a few ops) or an install
+        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=guard_s(150)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def example_site(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
          "--target", str(target), str(EXAMPLE)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=guard_s(60),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return target

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from hang_guard import guard_s
 
 import glmport
 from glmport.cli import main
@@ -100,7 +101,7 @@ def _probe_in_fresh_process(code: str) -> str:
     report = "a = REGISTRY.availability('cuda', True); print(a.ok, '|', a.reason)"
     proc = subprocess.run(
         [sys.executable, "-c", f"{code}\nfrom glmport.core.registry import REGISTRY\n{report}"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=guard_s(20),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from hang_guard import guard_s
 
 import glmport
 from glmport.backends.generic.tiling import budget_bytes
@@ -76,7 +77,7 @@ def _run_all(commands: list[tuple[list[str], dict[str, str]]]) -> list[subproces
         for argv, env in commands
     ]
     for p in procs:
-        p.out, p.err = p.communicate(timeout=600)
+        p.out, p.err = p.communicate(timeout=guard_s(60))  # all at once: ~20 interpreters
     return procs
 
 
@@ -127,7 +128,10 @@ _GEN = ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens
         ([*_GEN, "--top-p", "1.5"], "top_p"),
         ([*_GEN, "--top-k", "-3"], "top_k"),
         ([*_GEN, "--greedy", "--seed", "1"], "--greedy"),
-        (["generate", "--model", "tiny", "--input-ids", "1", "--max-new-tokens", "-1"], "max_new"),
+        (
+            ["generate", "--model", "tiny", "--input-ids", "1", "--max-new-tokens", "-1"],
+            "--max-new",
+        ),
         (["generate", "--model", "tiny", "--input-ids", "", "--max-new-tokens", "1"], "input-ids"),
         (["generate", "--model", "tiny", "--input-ids", "-5", "--max-new-tokens", "1"], "outside"),
         (["generate", "--model", "/no/such/dir", "--input-ids", "1", "--max-new-tokens", "1"], ""),

@@ -227,8 +227,8 @@ def test_cli_random_calibration_and_the_short_sequence_warning(checkpoint, tmp_p
         ("\n\n", ["--keep", "2"], "--calib {calib} holds no sequence"),
         (b"1,2\xff\n", ["--keep", "2"], "--calib {calib} is not UTF-8 text"),
         ("1,2,3\n", ["--keep", "6"], "--keep must be from 1 to num_hidden_layers (5), got 6"),
-        ("1,2,3\n", ["--keep", "0"], "argument --keep: expected a whole number"),
-        ("1,2,3\n", ["--keep", "2", "--out", "{existing}"], "--out {existing} exists and is not"),
+        ("1,2,3\n", ["--keep", "0"], "argument --keep: expected an integer from 1"),
+        ("1,2,3\n", ["--keep", "2", "--out", "{existing}"], "--out {existing} already holds files"),
     ],
 )
 def test_cli_refuses_bad_input_with_one_line(checkpoint, tmp_path, capsys, calib, extra, expected):

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
+from hang_guard import guard_s
 
 import glmport
 from glmport.core.errors import ConfigError
@@ -270,7 +271,8 @@ def test_recording_in_one_thread_leaves_a_second_thread_sharing_the_model_alone(
     want_loss = training_losses(model, ids_a, stage=stage).as_floats()
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
     mtp_attentions = [layer.self_attn for layer in model.model.mtp_layers]
-    a_inside, b_done = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+    # Each wait is for the other thread's forward of the tiny model (well under 1 s idle).
+    a_inside, b_done = (threading.Barrier(2, timeout=guard_s(1)) for _ in range(2))
     a_ident = []
 
     def hold_a_inside(module, args):

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from hang_guard import guard_s
 
 REPO = Path(__file__).resolve().parents[1]
 # Top-level packages installed under their own names; every other package folder at the
@@ -99,7 +100,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "--no-index", "--disable-pip-version-check", "-w", str(out), str(src)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=guard_s(60),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (path,) = out.glob("glmport-*.whl")
@@ -140,7 +141,7 @@ def _run_pytest_project(tmp_path: Path, files: dict[str, str], *args: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GLMPORT_"))}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=guard_s(60),
     )  # fmt: skip
 
 

@@ -668,7 +668,7 @@ def test_cli_agent_remote_gateway_with_token(tiny, capsys):
     [
         (["--context", "most"], "unknown context strategy 'most'"),
         (["--token", "t"], "--token is the bearer token of --gateway"),
-        (["--episodes", "0"], "'episodes' must be an int >= 1"),
+        (["--episodes", "0"], "argument --episodes: expected an integer from 1"),
         (["--gateway", "http://127.0.0.1:9", "--model", "tiny"], "not allowed with"),
     ],
 )

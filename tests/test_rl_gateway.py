@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hang_guard import guard_s
 
 from glmport.cli import main
 from glmport.core.errors import ConfigError
@@ -72,7 +73,10 @@ def assert_answer(reply: dict, model, body: dict) -> None:
 
 def client_for(app, **kwargs) -> httpx.AsyncClient:
     return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=30, **kwargs
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://gateway",
+        timeout=guard_s(5),
+        **kwargs,
     )
 
 
@@ -399,12 +403,12 @@ def test_glmport_rl_serve_runs_and_stops_on_ctrl_c(model, tmp_path):
         env=env,
     )
     try:
-        line = _read_line(proc.stdout, 60)
+        line = _read_line(proc.stdout, guard_s(15))  # a fresh interpreter, torch, 2 models
         assert line.startswith("gateway on http://127.0.0.1:"), (line, proc.poll())
         assert "2 workers" in line and "policy version 7" in line
         url = line.split()[2]
         headers = {"Authorization": f"Bearer {TOKEN}"}
-        with httpx.Client(base_url=url, timeout=30, headers=headers) as client:
+        with httpx.Client(base_url=url, timeout=guard_s(5), headers=headers) as client:
             health = client.get("/health").json()
             body = valid("cli", request_id="cli-1")
             reply = client.post("/generate", json=body)
@@ -415,13 +419,13 @@ def test_glmport_rl_serve_runs_and_stops_on_ctrl_c(model, tmp_path):
         assert reply.json()["output_ids"] == ids and reply.json()["policy_version"] == 7
         assert reply.json()["output_logprobs"] == pytest.approx(logprobs, abs=1e-5)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=guard_s(5))
         assert proc.returncode == 0, err
         assert "gateway stopped" in out
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate(timeout=10)
+            proc.communicate(timeout=guard_s(1))
 
 
 # -- Ray workers behind a real server on loopback ----------------------------------------
@@ -467,7 +471,7 @@ def test_load_every_request_answered_exactly_once(model, ray_gateway):
     async def run():
         limits = httpx.Limits(max_connections=CLIENTS + 1)
         async with httpx.AsyncClient(
-            base_url=url, headers=headers, timeout=60, limits=limits
+            base_url=url, headers=headers, timeout=guard_s(10), limits=limits
         ) as http:
             return await asyncio.gather(*(client(c, http) for c in range(CLIENTS)), garbage(http))
 
@@ -506,8 +510,8 @@ def test_killed_worker_is_503_then_restarted_with_the_weights(model, ray_gateway
     headers = {"Authorization": f"Bearer {TOKEN}"}
     ray.kill(pool.actors[0], no_restart=False)
     statuses = []
-    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
-        deadline = time.monotonic() + 45
+    with httpx.Client(base_url=url, headers=headers, timeout=guard_s(10)) as http:
+        deadline = time.monotonic() + guard_s(15)  # Ray restarts the actor: a new process
         while time.monotonic() < deadline:
             reply = http.post("/generate", json=body)
             statuses.append(reply.status_code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from glmport.core.errors import ConfigError
+from glmport.core.extras import install_command
 from glmport.rl.report import MetricsLog, plot_curves
 from glmport.rl.tasks import (
     TASKS,
@@ -248,6 +250,6 @@ def test_plot_curves_writes_png(tmp_path):
 
 def test_plot_curves_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ConfigError, match=r"pip install 'glmport\[rl\]'"):
+    with pytest.raises(ConfigError, match=re.escape(install_command(["matplotlib"]))):
         plot_curves(_records(), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()

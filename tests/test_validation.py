@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hang_guard import guard_s
 
 import glmport
 from glmport.core.formats import FORMATS, FP8_DTYPE, SCHEMES
@@ -1187,7 +1188,7 @@ def test_bad_calls_do_not_crash_the_process() -> None:
         [sys.executable, "-c", _CHILD, __file__],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=guard_s(60),
         env=env,
         check=False,
     )

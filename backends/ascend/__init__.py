@@ -27,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from glmport.core.extras import pip_command
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
 
 from .chips import SUPPORTED, chip_generation
@@ -105,10 +106,11 @@ class AscendBackend(Backend):
         if emulate:
             return Availability(True, EMULATED, emulated=True)
         if importlib.util.find_spec("torch_npu") is None:
+            install = pip_command(["ascend"], ["torch-npu"])
             return Availability(
                 False,
-                "torch_npu is not installed: pip install glmport[ascend] on a machine with "
-                "CANN (GLMPORT_EMULATE=1 runs the adapters against the CPU emulator)",
+                f"torch-npu not installed: {install} on a machine with CANN "
+                "(GLMPORT_EMULATE=1 runs the adapters against the CPU emulator)",
             )
         try:
             torch_npu = importlib.import_module("torch_npu")
@@ -130,11 +132,11 @@ class AscendBackend(Backend):
             )
         from . import emulator
 
-        missing = [name for name in emulator.OPS if not hasattr(torch_npu, name)]
-        if missing:
+        lacking = [name for name in emulator.OPS if not hasattr(torch_npu, name)]
+        if lacking:
             return Availability(
                 False,
-                f"torch_npu {torch_npu.__version__} lacks {', '.join(missing)}: upgrade "
+                f"torch_npu {torch_npu.__version__} lacks {', '.join(lacking)}: upgrade "
                 "torch_npu and CANN",
             )
         return Availability(

@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from glmport.core.extras import pip_command
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
 
 INTERPRET_VAR = "TRITON_INTERPRET"
@@ -88,7 +89,7 @@ class CudaBackend(Backend):
 
     def probe(self, emulate: bool) -> Availability:
         if importlib.util.find_spec("triton") is None:
-            return Availability(False, "triton is not installed: pip install glmport[cuda]")
+            return Availability(False, f"triton not installed: {pip_command(['cuda'], ['triton'])}")
         mode = _triton_mode()
         if emulate:
             if mode is False:

@@ -1,0 +1,243 @@
+"""A fuzz of the whole command line: every flag of every command, given values it must
+refuse (out of range, malformed, unwritable, unknown), one at a time on an otherwise
+valid command line. Each must end in one ``glmport: error:`` line naming the flag,
+exit status 2, no traceback, nothing written, and before the command's first heavy step
+(stubbed: reaching it counts as accepting the value).
+
+``pytest tests/test_cli_fuzz.py -s`` prints the outcome counts."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from cli_cases import REFUSED, TRACEBACK, UNCLEAR, WORK_STARTED, outcome, stub_heavy_steps
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import glmport.cli as cli
+from glmport.model import GlmMoeDsaForCausalLM
+
+# A valid command line of each command ("{out}": a path under the test's folder).
+BASE = {
+    "info": [],
+    "conformance": ["--report-dir", "{out}"],
+    "diff": ["--backends", "cpu,generic", "--out", "{out}"],
+    "generate": ["--model", "tiny", "--input-ids", "1,2", "--max-new-tokens", "1"],
+    "indexcache search": ["--model", "tiny", "--random", "2", "--keep", "1", "--out", "{out}"],
+    "export onnx": ["--model", "tiny", "--out", "{out}.onnx"],
+    "export tvm": ["--model", "tiny", "--out", "{out}"],
+    "rl train": ["--steps", "1", "--quiet", "--out", "{out}"],
+    "rl serve": ["--model", "tiny", "--local"],
+    "rl agent": ["--episodes", "1"],
+}
+
+_OUT = ["", "{file}", "{file}/sub", "{dangling}", "/proc/glmport-fuzz/x"]
+_BACKEND = ["xyz", "", " ", "cpu,generic", "cpu\ngeneric", "auto,"]
+_IDS = ["", ",", "x", "1,,2", "-1", "1e3", "9" * 30, "1 2", "0x1"]
+_MODEL = ["", "/no/such/checkpoint", "{file}", "tiny\n"]
+# Bad values of the flags that take text, by flag.
+TEXT = {
+    "--out": _OUT,
+    "--report-dir": _OUT,
+    "--backend": _BACKEND,
+    "--rollout-backend": _BACKEND,
+    "--train-backend": _BACKEND,
+    "--backends": ["xyz,cpu", "", "cpu", ",", "cpu,cpu,cpu,x"],
+    "--follow": ["xyz", ""],
+    "--ops": ["nope", "", ",", "rope,rope", "rope=cpu"],
+    "--dtypes": ["fp64", "", ","],
+    "--plugin": ["no_such_module:x", "x", ":", ""],
+    "--input-ids": _IDS,
+    "--stop-tokens": ["x", "1,,2", "1e3", ","],
+    "--model": _MODEL,
+    "--calib": ["/no/such/file", "{folder}"],
+    "--replay": ["/no/such/file", "{file}"],
+    "--context": ["bogus", "keep-recent:-1", "keep-recent:x", "hybrid:1", "discard-all:0"],
+    "--gateway": ["", "not a url", "ftp://host/x", "http://[::1"],
+    "--opd-teacher": ["/no/such/checkpoint", "{file}"],
+    "--init": ["/no/such/checkpoint", "{file}"],
+    "--host": ["0.0.0.0"],  # beyond loopback without a token
+}
+# Text flags left out, and why: any value is valid until it is used as the work itself.
+NOT_FUZZED = {
+    "--token": "any text is a bearer token",
+    "--ray-address": "joining a Ray cluster is the work itself",
+    "--replay@rl train": "rl train's own flags belong to its run checks",
+}
+# Not integers to anyone (the bounded type also refuses "1_000" and other scripts'
+# digits, which Python's int() and so a bare type=int take).
+_INT_MALFORMED = ["", " ", "1e3", "1.5", "0x10", "+", "nan", "9" * 5000]
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, by its words (``"rl train"``)."""
+    found = {}
+
+    def walk(parser: argparse.ArgumentParser, words: str) -> None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            found[words] = parser
+        for sub in subs:
+            for name, child in sub.choices.items():
+                walk(child, f"{words} {name}".strip())
+
+    walk(cli.build_parser(), "")
+    return found
+
+
+def _bad_values(command: str, action: argparse.Action) -> list[str]:
+    """Values ``action`` of ``command`` must refuse."""
+    kind, flag = action.type, action.option_strings[-1]
+    if action.choices is not None:
+        return ["bogus", "", f"{next(iter(action.choices))} "]
+    if hasattr(kind, "high"):  # the bounded integers
+        low, high = kind.low, kind.high
+        return [str(low - 1), str(high + 1), str(10**40), "1_000", "١٢", *_INT_MALFORMED]
+    if hasattr(kind, "low"):  # the bounded reals
+        return [str(kind.low), "-1", "nan", "inf", "-inf", "1e999", "1e-400", "", "abc"]
+    if kind is cli._workers:
+        return ["autox", "AUTO", str(cli.MAX_WORKERS + 1), "-1", *_INT_MALFORMED]
+    if kind is int:  # bounded elsewhere (another area's checks): the malformed ones here
+        return _INT_MALFORMED
+    if kind is float:
+        return ["", "abc", "1,5"]
+    if kind is cli._overrides:
+        return ["x", "=1", "a=1,b"]
+    if f"{flag}@{command}" in NOT_FUZZED or flag in NOT_FUZZED:
+        return []
+    assert flag in TEXT, f"glmport {command} {flag}: no bad values listed (TEXT / NOT_FUZZED)"
+    if command == "export onnx" and flag == "--out":  # a file is written over; a folder not
+        return [("{folder}" if v == "{file}" else v) for v in TEXT[flag]]
+    return TEXT[flag]
+
+
+def _partners(parser: argparse.ArgumentParser, action: argparse.Action) -> set[str]:
+    """The flags that may not come with ``action`` (its mutually exclusive groups)."""
+    out: set[str] = set()
+    for group in parser._mutually_exclusive_groups:
+        if action in group._group_actions:
+            out |= {a.option_strings[-1] for a in group._group_actions if a is not action}
+    return out
+
+
+def _command_line(command: str, flag: str, value: str, drop: set[str], tmp: Path) -> list[str]:
+    """``BASE[command]`` with ``flag=value`` instead of its own (and without ``drop``),
+    the placeholders filled in; the last word is ``flag=value``."""
+    base = BASE[command]
+    pairs, i = [], 0
+    while i < len(base):  # the base line as (flag, value or None)
+        has_value = i + 1 < len(base) and not base[i + 1].startswith("--")
+        pairs.append((base[i], base[i + 1] if has_value else None))
+        i += 2 if has_value else 1
+    kept = [(f, v) for f, v in pairs if f != flag and f not in drop]
+    words = command.split()
+    for f, v in kept:
+        words += [f] if v is None else [f, v]
+    words.append(f"{flag}={value}")
+    fill = {
+        "{out}": str(tmp / "out"),
+        "{file}": str(tmp / "a-file"),
+        "{folder}": str(tmp / "a-folder"),
+        "{dangling}": str(tmp / "dangling"),
+    }
+    for key, path in fill.items():
+        words = [w.replace(key, path) for w in words]
+    return words
+
+
+@pytest.fixture
+def fuzz_env(monkeypatch, tmp_path):
+    """Heavy steps stubbed, the tiny model built once, a folder with the fixtures the
+    bad values name; yields the folder."""
+    stub_heavy_steps(monkeypatch)
+    tiny = GlmMoeDsaForCausalLM.from_config("tiny", seed=0).eval()
+    real = cli._load_model
+    monkeypatch.setattr(cli, "_load_model", lambda s, d="fp32": tiny if s == "tiny" else real(s, d))
+    (tmp_path / "a-file").write_text("not a checkpoint")
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_every_valid_base_line_reaches_its_work(fuzz_env):
+    """The stubs mark each command's work, and every base line is valid."""
+    assert set(BASE) == set(_parsers())
+    for command in BASE:
+        argv = [
+            w.replace("{out}", str(fuzz_env / "out")) for w in [*command.split(), *BASE[command]]
+        ]
+        got, text = outcome(argv)
+        assert got == WORK_STARTED, (argv, got, text)
+
+
+def test_every_bad_value_of_every_flag_is_refused_up_front(fuzz_env, capsys):
+    before = _listing(fuzz_env)
+    counts: Counter = Counter()
+    findings = []
+    for command, parser in _parsers().items():
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0:
+                continue
+            flag = action.option_strings[-1]
+            # "--": argparse drops it and hands the flag [] without calling its type
+            for value in [*_bad_values(command, action), "--"]:
+                argv = _command_line(command, flag, value, _partners(parser, action), fuzz_env)
+                got, text = outcome(argv)
+                counts[got] += 1
+                given = argv[-1].partition("=")[2]
+                # The message names the flag, or the value it was given (plug-ins, files)
+                named = flag in text or flag.lstrip("-") in text or repr(given) in text
+                named = named or (given != "" and given in text)
+                if got != REFUSED or not named or _listing(fuzz_env) != before:
+                    findings.append((argv, got, text[:300]))
+    with capsys.disabled():
+        print(f"\nCLI fuzz: {sum(counts.values())} bad command lines: {dict(counts)}")
+    assert counts[REFUSED] > 500
+    assert not findings, "\n".join(map(str, findings[:20]))
+
+
+def _integer_flags() -> list[tuple[str, str, object]]:
+    return [
+        (command, a.option_strings[-1], a.type)
+        for command, parser in _parsers().items()
+        for a in parser._actions
+        if a.option_strings and hasattr(a.type, "high") and not _partners(parser, a) - {"--calib"}
+    ]
+
+
+def _valid_integer(text: str, low: int, high: int) -> bool:
+    """The specification, written again: optional sign, 1 to 40 ASCII digits, in range."""
+    return bool(re.fullmatch(r"[+-]?[0-9]{1,40}", text)) and low <= int(text) <= high
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    case=st.sampled_from(_integer_flags()),
+    text=st.one_of(
+        st.integers(min_value=-(10**45), max_value=10**45).map(str),
+        st.integers(min_value=-3, max_value=5000).map(str),
+        st.text(alphabet="0123456789+-eE._ x١", max_size=12),
+    ),
+)
+def test_an_integer_flag_takes_exactly_the_integers_in_its_range(fuzz_env, case, text):
+    command, flag, kind = case
+    argv = _command_line(command, flag, text, set(), fuzz_env)
+    got, message = outcome(argv)
+    assert got in (REFUSED, WORK_STARTED), (argv, got, message)
+    type_error = f"argument {flag}: expected" in message  # the parser's own refusal
+    if _valid_integer(text, kind.low, kind.high):
+        assert not type_error, (argv, message)  # refused later, if at all, for another reason
+    else:
+        assert got == REFUSED and type_error, (argv, got, message)
+    assert got not in (TRACEBACK, UNCLEAR)
