@@ -290,6 +290,8 @@ def build_token_logprobs(d: Draw) -> Call:
     dtype = d.pick(FLOATS)
     t = 0 if d.is_("edge:T=0") else d.int(1, 5)
     dim, v = d.int(1, 16), 1 if d.is_("edge:V=1") else d.int(1, 40)
+    if d.is_("edge:temperatures"):  # widths at which a GEMM and a dot product round apart
+        dim, v = d.int(24, 64), d.int(100, 500)
     temperature = d.float(0.3, 3.0)
     if d.is_("edge:temp_tiny"):
         # Integer-valued logits (exact in any precision): with a temperature near 0
