@@ -149,8 +149,9 @@ def lightning_indexer(
 
     A score beyond float32 is refused with an ``OpInputError`` naming ``q`` (before
     the kernel under ``GLMPORT_VALIDATE=strict``, from the outputs under ``full``).
-    Unchecked (``meta``), an overflowed score is ``+inf``: it ranks first (ties to the
-    lower slot) and keeps its slot, never ``-1``.
+    Unchecked (``meta``), an overflowed score is ``+inf`` (NaN where it came from
+    ``+inf`` and ``-inf`` terms): it ranks first (ties to the lower slot) and keeps its
+    slot, never ``-1``.
     """
     return invoke(LIGHTNING_INDEXER, q, k, weights, k_start, k_end, topk, q_scale, k_scale)
 
