@@ -628,8 +628,42 @@ def misc_cases() -> Iterator[Case]:
                     temp,
                 ),
                 params=(("d", d), ("t", t), ("temperature", temp), ("v", v)),
+                judge="logprobs",
                 full_only=full,
             )
+    yield from _logprob_temperature_cases()
+
+
+# Temperatures 1e-6 .. 1e6: near 0 the logits' float32 rounding is magnified by
+# 1 / temperature (a target's logit one ulp above the max was once a log-probability of
+# +1.43), near infinity every distribution is uniform.
+LOGPROB_TEMPERATURES = (1e-6, 1e-3, 1e3, 1e6)
+
+
+def _logprob_temperature_cases() -> Iterator[Case]:
+    """``token_logprobs`` at extreme temperatures on a 500-token vocabulary; half of
+    the targets are each token's most likely one (its log-probability is about 0 at a
+    small temperature, where a rounding error shows as a positive value)."""
+    t, d, v = 8, 32, 500
+    for temp in LOGPROB_TEMPERATURES:
+
+        def build(g, dtype, temp=temp):
+            hidden = _randn(g, t, d, dtype=dtype)
+            lm_head = _randn(g, v, d, scale=d**-0.5, dtype=dtype)
+            best = (hidden.double() @ lm_head.double().T).argmax(dim=1)
+            targets = torch.where(
+                torch.arange(t) % 2 == 0, best, torch.randint(0, v, (t,), generator=g)
+            )
+            return hidden, lm_head, targets, temp
+
+        yield from _per_dtype(
+            "token_logprobs",
+            f"temperature_{temp:g}",
+            "edge",
+            {"d": d, "t": t, "temperature": temp, "v": v},
+            build,
+            judge="logprobs",
+        )
 
 
 # -- layouts -----------------------------------------------------------------------

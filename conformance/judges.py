@@ -212,6 +212,37 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
     return Verdict(True, "", {"max_rel": worst}, _tol_dict(tol))
 
 
+def logprobs(op, dtype, args, outs, refs) -> Verdict:
+    """``token_logprobs``: ``logp <= 0`` and ``entropy >= 0`` everywhere (a relative
+    judge cannot see ``logp = +1.4`` beside a ``-1e5`` at a small temperature); finite
+    wherever the reference is (NaN nowhere); errors relative to ``max(max|ref|, 1
+    nat)``: a float32 entropy of a near one-hot distribution is subnormal, and
+    ``log(1)`` may round to ``-3e-8``, neither an error worth a nat."""
+    logp, entropy = outs
+    for name, bad, sign in (("logp", logp > 0, "> 0"), ("entropy", entropy < 0, "< 0")):
+        if bad.any():
+            i = int(bad.nonzero()[0, 0])
+            value = float((logp if name == "logp" else entropy)[i])
+            return Verdict(False, f"{name}[{i}] = {value:.4g} {sign}, which no distribution has")
+    tol = tolerance(op, dtype)
+    worst = {"max_rel": 0.0, "mean_rel": 0.0}
+    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
+        if tuple(o.shape) != tuple(r.shape):
+            return Verdict(False, f"output {i} has shape {list(o.shape)}, expected {list(r.shape)}")
+        cmp = compare(o, r, tol, floor=1.0)
+        worst = {k: max(worst[k], getattr(cmp, k)) for k in worst}
+        if not cmp.ok:
+            return Verdict(
+                False,
+                f"output {i}: max|err|/max(max|ref|, 1) {cmp.max_rel:.3g}, mean "
+                f"{cmp.mean_rel:.3g} (tolerance {tol.max_rel:.3g} / {tol.mean_rel:.3g}; "
+                "inf/nan must match)",
+                {"max_rel": cmp.max_rel, "mean_rel": cmp.mean_rel},
+                _tol_dict(tol),
+            )
+    return Verdict(True, "", worst, _tol_dict(tol))
+
+
 def gate(op, dtype, args, outs, refs) -> Verdict:
     """Tie-safe routing: the chosen experts' choice scores match the reference's
     choice scores as sorted vectors (tie-swaps allowed), ids unique and in range, and
@@ -260,6 +291,7 @@ JUDGES = {
     "quantize": quantize,
     "indexer": indexer,
     "gate": gate,
+    "logprobs": logprobs,
 }
 # The judge of each op's calls (the suite's cases name theirs; ``glmport diff`` judges a
 # recorded call with its op's). Ops not listed: "close".
@@ -271,4 +303,5 @@ JUDGE_OF_OP = {
     "grouped_gemm": "gemm",
     "quant_gemm": "gemm",
     "quantize": "quantize",
+    "token_logprobs": "logprobs",
 }

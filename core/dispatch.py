@@ -1,7 +1,8 @@
 """The path of one op call: validate, resolve the backend for the inputs' device, pick
 the first backend along the chain whose capabilities take the call, run its kernel,
-shadow-check, record it in an open op trace (:mod:`.trace`); plus the fake kernel and
-the autograd formula that every op's ``torch.library`` registration uses.
+check its result for overflow (``full`` and ``strict``), shadow-check, record it in an
+open op trace (:mod:`.trace`); plus the fake kernel and the autograd formula that
+every op's ``torch.library`` registration uses.
 
 Eager calls that need neither autograd nor tracing skip the ``torch.library``
 dispatcher (its Python custom-op path costs tens of microseconds a call) and come
@@ -95,6 +96,8 @@ def run(name: str, args: tuple) -> object:
         if misfit is not None:
             raise misfit from err
         raise
+    if settings.validate >= Level.FULL:
+        spec.validate_result(args, out, settings.validate)
     if settings.shadow and settings.shadow != backend:
         observe(spec, backend, settings, args, out)
     trace = active_trace()

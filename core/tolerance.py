@@ -78,9 +78,12 @@ class Comparison:
     ok: bool
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Comparison:
+def compare(
+    out: torch.Tensor, ref: torch.Tensor, tol: Tolerance, floor: float = 1e-30
+) -> Comparison:
     """Relative error of ``out`` against ``ref`` (same shape); ``-inf``/``inf`` entries
-    must agree exactly, NaN anywhere fails."""
+    must agree exactly, NaN anywhere fails. Errors are relative to ``max|ref|`` (and
+    ``mean|ref|``), or to ``floor`` where that is larger."""
     o, r = out.double().cpu(), ref.double().cpu()
     if o.shape != r.shape:
         return Comparison(float("inf"), float("inf"), False)
@@ -93,6 +96,6 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Comparison:
         return Comparison(0.0, 0.0, True)
     err = (o[finite] - r[finite]).abs()
     ref_abs = r[finite].abs()
-    max_rel = float(err.max() / ref_abs.max().clamp_min(1e-30))
-    mean_rel = float(err.mean() / ref_abs.mean().clamp_min(1e-30))
+    max_rel = float(err.max() / ref_abs.max().clamp_min(floor))
+    mean_rel = float(err.mean() / ref_abs.mean().clamp_min(floor))
     return Comparison(max_rel, mean_rel, max_rel <= tol.max_rel and mean_rel <= tol.mean_rel)

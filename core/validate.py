@@ -8,6 +8,14 @@ they run only on real tensors and ``GLMPORT_VALIDATE=meta`` turns them off where
 device sync they cost matters. Whole-tensor scans of caches (finiteness of every key,
 float32 overflow bounds from a cache's max magnitude) cost as much as the op at decode
 shapes, so only ``GLMPORT_VALIDATE=strict`` runs them.
+
+Float32 overflow on finite inputs is refused before the kernel by bounds from the max
+magnitudes of the inputs (``within_fp32``; ``finite`` returns the magnitude it read, so
+a bound costs no second scan): at ``full`` from the inputs it scans, at ``strict``
+from all. A bound that needs a cache or a weight is therefore strict-only; at ``full``
+the op's outputs are checked instead (:func:`first_overflow`, one sync), and only a
+call whose outputs show an overflow pays for the strict checks, which then refuse it
+with their own message (see ``OpSpec.result_guard``).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from .errors import OpInputError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP32_MAX = torch.finfo(torch.float32).max
+FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 INDEX_DTYPES = (torch.int32, torch.int64)
 # The largest int an op's int argument (topk, num_experts, group_size ...) or a count
 # it returns in an int32 tensor (slots, rows, experts) may be: kernels take them as
@@ -199,13 +208,15 @@ class Checker:
             bad = lo if lo < low else hi
             self.fail(arg, f"values in [{low}, {high})", f"a value {bad}")
 
-    def finite_positive(self, arg: str, t: torch.Tensor) -> None:
+    def finite_positive(self, arg: str, t: torch.Tensor) -> float:
+        """Every element of ``t`` is finite and ``> 0``; returns ``max t`` (0 if empty)."""
         if t.numel() == 0:
-            return
+            return 0.0
         lo, hi = (float(v) for v in torch.aminmax(t))  # NaN propagates into both
         if not (math.isfinite(lo) and math.isfinite(hi) and lo > 0):
             bad = lo if not (math.isfinite(lo) and lo > 0) else hi
             self.fail(arg, "finite and > 0 everywhere (scales)", f"a value {bad}")
+        return hi
 
     def within_fp32(self, arg: str, bound: float, what: str, need: str = "small") -> None:
         """Fail on ``arg`` when ``bound`` (an upper bound of ``what``, from the inputs'
@@ -215,18 +226,46 @@ class Checker:
         if bound > FP32_MAX:
             self.fail(
                 arg,
-                f"{need} enough that {what} stays within float32 range (<= {FP32_MAX:.3g})",
+                f"{need} enough to keep {what} within float32 range (<= {FP32_MAX:.3g})",
                 f"inputs that bound it by {bound:.3g}",
             )
 
-    def finite(self, arg: str, t: torch.Tensor) -> None:
+    def finite(self, arg: str, t: torch.Tensor) -> float:
+        """Every element of ``t`` is finite; returns ``max |t|`` (0 if empty), so that
+        an overflow bound reuses this scan."""
         if t.numel() == 0:
-            return
-        values = t if t.dtype in (*FLOAT_DTYPES, torch.float64) else t.float()  # e.g. fp8
+            return 0.0
         # One min/max pass: far cheaper than isfinite(t).all(), and NaN propagates.
-        lo, hi = (float(v) for v in torch.aminmax(values))
+        lo, hi = (float(v) for v in torch.aminmax(_scannable(t)))
         if not (math.isfinite(lo) and math.isfinite(hi)):
             self.fail(arg, "finite everywhere (no NaN or inf)", "a non-finite value")
+        return max(-lo, hi)
+
+
+def first_overflow(
+    outputs: Sequence[tuple[str, torch.Tensor, object]],
+) -> tuple[str, torch.Tensor] | None:
+    """The first ``(name, output)`` of ``(name, output, neg_inf)`` that holds NaN,
+    ``+inf``, or not exactly ``neg_inf`` entries of ``-inf`` (the count its contract
+    puts there: an int or a 0-d tensor); None when every one is clean. One device sync
+    for all of them. An overflow inside a kernel shows in its outputs that way."""
+    present = [(name, out, neg_inf) for name, out, neg_inf in outputs if out.numel()]
+    if not present:
+        return None
+    flags = []
+    for _, out, neg_inf in present:
+        top = out.amax()  # NaN if any element is NaN
+        minus_inf = (out == float("-inf")).sum()
+        flags.append(torch.isnan(top) | (top == float("inf")) | (minus_inf != neg_inf))
+    for (name, out, _), bad in zip(present, torch.stack(flags).tolist(), strict=True):
+        if bad:
+            return name, out
+    return None
+
+
+def _scannable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a dtype ``aminmax`` takes (float8 is upcast)."""
+    return t if t.dtype in (*FLOAT_DTYPES, torch.float64) else t.float()
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -293,7 +332,7 @@ def abs_max(t: torch.Tensor) -> float:
     """``max |t|`` as a Python float (0 for an empty tensor); NaN if ``t`` holds one."""
     if t.numel() == 0:
         return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(t))  # no |t| copy of a large tensor
+    lo, hi = (float(v) for v in torch.aminmax(_scannable(t)))  # no |t| copy of a large tensor
     return max(-lo, hi)
 
 

@@ -124,7 +124,9 @@ def _scores(g: _Graph, q, k, weights, k_start, k_end, q_scale, k_scale):
     dots = g(op.matmul(g.f32(q), g(op.permute_dims(g.f32(k)))))  # [T, Hi, N]
     if q_scale is not None:
         dots = g(op.multiply(g(op.multiply(dots, op.expand_dims(q_scale, 2))), k_scale))
-    relu = g(op.nn.relu(dots))
+    # relu that keeps NaN (a dot product whose terms overflowed to +inf and -inf):
+    # TVM's relu is max(x, 0), which turns it into a silent 0.
+    relu = g(op.where(op.less(dots, g.const(0.0)), g.const(0.0), dots))
     scores = g(op.reshape(op.matmul(g(op.expand_dims(weights, 1)), relu), [t, n]))
     start, end = _clamped_ranges(g, k_start, k_end, n)
     slots = g(op.expand_dims(op.arange(0, n, 1, "int64"), 0))
@@ -143,6 +145,9 @@ def lightning_indexer(g: _Graph, q, k, weights, k_start, k_end, topk, q_scale=No
     _reject_fp8("lightning_indexer", g, [q, k])
     op = g.op
     scores, start, end = _scores(g, q, k, weights, k_start, k_end, q_scale, k_scale)
+    # An overflowed score ranks first (docs/ops.md): TVM's topk puts NaN last, so a NaN
+    # (from +inf and -inf terms) becomes +inf, which a result check then refuses.
+    scores = g(op.where(op.isnan(scores), g.const(float("inf")), scores))
     t = g.shape(scores)[0]
     # -inf columns so topk > N works; TVM's topk is stable (equal scores keep slot order).
     pad = g.neg_inf([t, topk])

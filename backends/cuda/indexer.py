@@ -205,7 +205,10 @@ def _logits_kernel(
 
 @triton.jit
 def _sort_keys(scores, slots, valid):
-    """Packed int64 keys whose descending order is (score descending, slot ascending)."""
+    """Packed int64 keys whose descending order is (score descending, slot ascending).
+    A NaN score (an overflow to +inf and -inf inside it) counts as +inf: an overflowed
+    score ranks first and keeps its slot (docs/ops.md), whatever NaN's sign bit."""
+    scores = tl.where(scores != scores, float("inf"), scores)
     bits = tl.where(scores == 0.0, 0.0, scores).to(tl.int32, bitcast=True)  # -0.0 -> +0.0
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     keys = (ordered.to(tl.int64) << 32) | (2147483647 - slots).to(tl.int64)

@@ -3,6 +3,8 @@ score matrix is never held when N is large."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from glmport.backends.cpu.indexer import clamp_key_ranges
@@ -118,6 +120,9 @@ def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale
             n1 = min(hi_, n0 + tile)
             masked = start_max > n0 or end_min < n1
             sc = _tile_scores(qf[t0:t1], kf, weights[t0:t1], ks, ke, n0, n1, masked)
+            # An overflowed score ranks first (docs/ops.md): a NaN one (from +inf and
+            # -inf terms) counts as +inf, so the selection below sees ordered values.
+            sc.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=-math.inf)
             if best_v is None:
                 best_v, best_i = _select(sc, None, topk, n0)
             else:
@@ -129,7 +134,8 @@ def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale
             best_v = torch.full((t1 - t0, 0), float("-inf"), device=q.device)
             best_i = torch.full((t1 - t0, 0), -1, dtype=torch.long, device=q.device)
         if may_be_short:
-            valid = torch.isfinite(best_v)
+            # Only a masked key scores -inf; an overflowed one is +inf and is kept.
+            valid = best_v != float("-inf")
             best_i = torch.where(valid, best_i, -1)
             best_v = torch.where(valid, best_v, float("-inf"))
         pad = topk - best_v.shape[1]

@@ -16,19 +16,24 @@ def _tiles(hidden, lm_head):
     return rows_per_tile(4 * vt * 3, t), vt
 
 
-def _online_stats(h, lm_head, temperature, vt):
+def _online_stats(h, lm_head, temperature, vt, targets=None):
     """Per token: ``m``, the max raw logit ``h . w`` (before the ``1 / temperature``),
     ``s = sum exp(d)`` and ``u = sum exp(d) d`` with ``d = (h . w - m) / temperature``,
-    that is ``z - max z``.
+    that is ``z - max z``; with ``targets``, also each target's raw logit, read from
+    the same tile products as ``m`` (NaN for a target outside ``[0, V)``).
 
     The max is subtracted before scaling: at a small temperature ``z`` is large and its
     float32 ulp would swamp ``z - max z``; ``h . w - m`` is exact near the max and the
-    division keeps its relative accuracy.
+    division keeps its relative accuracy. The target's logit is an element of the
+    tile whose maximum ``m`` is, so ``r_target - m <= 0`` exactly: a separately
+    computed dot product may round one ulp above ``m``, which ``1 / temperature``
+    magnifies into a positive log-probability.
     """
     rows = h.shape[0]
     m = torch.full((rows,), float("-inf"), device=h.device)
     s = torch.zeros(rows, device=h.device)
     u = torch.zeros(rows, device=h.device)
+    r_target = torch.full((rows,), float("nan"), device=h.device)
     for v0 in range(0, lm_head.shape[0], vt):
         r = h @ lm_head[v0 : v0 + vt].float().T
         m_new = torch.maximum(m, r.amax(dim=1))
@@ -42,7 +47,12 @@ def _online_stats(h, lm_head, temperature, vt):
         u = torch.where(decay > 0, (u + shift * s) * decay, 0.0) + (e * d).sum(dim=1)
         s = s * decay + e.sum(dim=1)
         m = m_new
-    return m, s, u
+        if targets is not None:
+            col = targets - v0
+            here = (col >= 0) & (col < r.shape[1])
+            picked = r.gather(1, col.clamp(0, r.shape[1] - 1).long()[:, None]).squeeze(1)
+            r_target = torch.where(here, picked, r_target)
+    return m, s, u, r_target
 
 
 def token_logprobs(hidden, lm_head, targets, temperature=1.0):
@@ -55,17 +65,15 @@ def token_logprobs(hidden, lm_head, targets, temperature=1.0):
     entropy = torch.empty(t, device=hidden.device)
     for t0 in range(0, t, step):
         h = hidden[t0 : t0 + step].float()
-        m, s, u = _online_stats(h, lm_head, temperature, vt)
-        log_s = torch.log(s)  # lse - max z
-        # A target outside [0, V) (unchecked under GLMPORT_VALIDATE=meta) is no token: NaN.
-        tgt = targets[t0 : t0 + step]
-        valid = (tgt >= 0) & (tgt < v)
-        target_row = lm_head[torch.where(valid, tgt, 0).long()].float()
-        # logp = z_t - lse = (r_t - m) / temperature - log s: the max is subtracted before
-        # scaling, so a small temperature does not magnify the ulp of a large logit.
-        d_target = ((h * target_row).sum(dim=1) - m) / temperature
-        logp[t0 : t0 + step] = torch.where(valid, d_target - log_s, float("nan"))
-        entropy[t0 : t0 + step] = log_s - u / s  # lse - E[z], both taken relative to max z
+        m, s, u, r_target = _online_stats(h, lm_head, temperature, vt, targets[t0 : t0 + step])
+        log_s = torch.log(s)  # lse - max z, >= 0: the max's own term is exp(0) = 1
+        # logp = z_t - lse = (r_t - m) / temperature - log s <= 0 by construction: the
+        # max is subtracted before scaling (a small temperature does not magnify the
+        # ulp of a large logit) and r_t is one of the values m is the max of. A target
+        # outside [0, V) (unchecked under GLMPORT_VALIDATE=meta) is no token: NaN.
+        logp[t0 : t0 + step] = (r_target - m) / temperature - log_s
+        # lse - E[z], both relative to max z: log s >= 0 and u <= 0 (every d <= 0).
+        entropy[t0 : t0 + step] = log_s - u / s
     return logp, entropy
 
 
@@ -81,7 +89,7 @@ def token_logprobs_backward(inputs: tuple, grads: tuple) -> tuple:
         h = hidden[t0 : t0 + step].float()
         tgt = targets[t0 : t0 + step].long()
         gl, ge = g_logp[t0 : t0 + step, None], g_ent[t0 : t0 + step, None]
-        m, s, u = _online_stats(h, lm_head, temperature, vt)
+        m, s, u, _ = _online_stats(h, lm_head, temperature, vt)
         # Everything relative to max z, as in the forward: d = z - max z.
         log_s, mean_d = torch.log(s)[:, None], (u / s)[:, None]
         for v0 in range(0, lm_head.shape[0], vt):

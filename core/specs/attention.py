@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level, abs_max
-from .base import OpSpec, invoke
+from .base import OpSpec, ResultGuard, invoke
 
 
 def _check(c: Checker, q, k, v, indices, scale, *, values):
@@ -21,12 +21,28 @@ def _check(c: Checker, q, k, v, indices, scale, *, values):
     c.tensor("indices", indices, ndim=2, dtypes=INDEX_DTYPES)
     c.tensor("indices", indices, shape=(("T", t), None))
     c.positive_float("scale", scale)
+    # Kernels scale scores by it times log2(e) (exp2 softmax): keep that finite too.
+    c.within_fp32("scale", 2 * scale, "2 * scale")
     c.same_device(q=q, k=k, v=v, indices=indices)
     if values:
         c.in_range("indices", indices, -1, n)  # T x K ints: what a gather could misuse
-    if values >= Level.STRICT:  # max |k| reads the whole cache: as long as a decode step
-        bound = scale * abs_max(q) * abs_max(k) * dk
-        c.within_fp32("scale", bound, "the scores scale * |q . k| (scale * max|q| * max|k| * Dk)")
+    if values >= Level.STRICT:  # max |k|, |v| read the whole cache: as long as a decode step
+        # The softmax subtracts the max score: differences reach twice the largest |s|,
+        # times log2(e) in an exp2 softmax; q . k is formed before a scale < 1 shrinks it.
+        scores = max(scale, 1.0) * abs_max(q) * abs_max(k) * dk
+        c.within_fp32(
+            "scale", 3 * scores, "the score spread 3 * max(scale, 1) * max|q| * max|k| * Dk"
+        )
+        # An online softmax sums up to K rows of v at weight <= 1 before normalising.
+        c.within_fp32("v", indices.shape[1] * abs_max(v), "K * max|v|")
+
+
+def _guarded_outputs(outs, q, k, v, indices, scale):
+    """Overflowed scores show as NaN or inf in ``out`` and ``lse``, or as an ``lse`` of
+    ``-inf`` on a row that has a valid slot (only an empty row's is ``-inf``)."""
+    out, lse = outs
+    empty_rows = ~((indices >= 0) & (indices < k.shape[0])).any(dim=1)
+    return [("out", out, 0), ("lse", lse, empty_rows.sum() * q.shape[1])]
 
 
 def _fake(q, k, v, indices, scale):
@@ -50,6 +66,7 @@ SPARSE_ATTENTION = OpSpec(
     },
     feature_names=("dtype", "q_heads", "kv_heads", "head_dim", "v_head_dim", "topk"),
     differentiable=("q", "k", "v"),
+    result_guard=ResultGuard("scale", "the scores scale * q . k", _guarded_outputs),
 )
 
 
@@ -74,11 +91,15 @@ def sparse_attention(
             ``k[..., :512]``).
         indices: ``[T, K]`` int32 | int64 physical slot ids in ``[-1, N)``, shared by
             all heads (dense causal attention is ``indices = all earlier slots``).
-        scale: softmax scale, finite and ``> 0``.
+        scale: softmax scale, finite, ``> 0`` and at most half the float32 maximum.
 
     Returns:
         out: ``[T, H, Dv]`` in ``q``'s dtype; ``0`` for a row with no valid slot.
         lse: ``[T, H]`` fp32 natural-log log-sum-exp of the scaled scores; ``-inf``
         for a row with no valid slot.
+
+    Scores beyond float32 (``scale * |q . k|`` over ``~3.4e38``) are refused with an
+    ``OpInputError`` naming ``scale``: before the kernel under
+    ``GLMPORT_VALIDATE=strict``, from the overflow in the outputs under ``full``.
     """
     return invoke(SPARSE_ATTENTION, q, k, v, indices, scale)

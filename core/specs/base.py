@@ -7,8 +7,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import GlmportError
-from ..validate import Checker
+from ..errors import GlmportError, OpInputError
+from ..validate import FP32_MAX, Checker, Level, first_overflow
+
+
+@dataclass(frozen=True)
+class ResultGuard:
+    """What shows an overflow in an op's outputs: ``outputs(outs, *args)`` lists
+    ``(name, output, neg_inf)``, ``neg_inf`` the number of ``-inf`` the contract puts
+    in that output; a refusal names argument ``arg`` and says ``what`` overflowed."""
+
+    arg: str
+    what: str
+    outputs: Callable[..., list[tuple[str, torch.Tensor, object]]]
 
 
 @dataclass(frozen=True)
@@ -24,7 +35,8 @@ class OpSpec:
     ``backward`` optionally replaces the default vjp-of-the-reference backward with
     closed-form gradients: ``backward(inputs, grad_outputs) -> grads per input``;
     ``tie_outputs`` are integer outputs whose order may legally differ between
-    backends when scores tie (compare them through the scores instead).
+    backends when scores tie (compare them through the scores instead);
+    ``result_guard`` names the outputs that show an overflow (see :class:`ResultGuard`).
     """
 
     name: str
@@ -36,6 +48,7 @@ class OpSpec:
     differentiable: tuple[str, ...] = ()
     backward: Callable[..., tuple] | None = None
     tie_outputs: tuple[int, ...] = ()
+    result_guard: ResultGuard | None = None
     arg_names: tuple[str, ...] = field(init=False)
     arg_types: tuple[str, ...] = field(init=False)
     defaults: dict[str, object] = field(init=False)
@@ -65,6 +78,32 @@ class OpSpec:
             checker.fits_device(dict(zip(self.arg_names, args, strict=True)), self.fake)
         if values:
             self.check(Checker(self.name, metadata=False), *args, values=values)
+
+    def validate_result(self, args: tuple, outs: object, level: Level) -> None:
+        """After the kernel (``GLMPORT_VALIDATE=full`` and up): when the outputs show an
+        overflow, find out whose. The checks of ``strict`` (whole-cache scans, bounds
+        from every input) raise their own ``OpInputError`` if the inputs are to blame;
+        if they pass, an output narrower than float32 (float16) overflowed its dtype,
+        which is refused too; anything else is the kernel's own result and stands (the
+        conformance judge sees it). Clean outputs cost one sync, nothing more."""
+        guard = self.result_guard
+        if guard is None:
+            return
+        with torch.no_grad():
+            hit = first_overflow(guard.outputs(outs, *args))
+        if hit is None:
+            return
+        if level < Level.STRICT:
+            self.validate(args, values=Level.STRICT, metadata=False)
+        name, out = hit
+        if torch.finfo(out.dtype).max < FP32_MAX:
+            raise OpInputError(
+                self.name,
+                guard.arg,
+                f"small enough to keep {guard.what} within "
+                f"{str(out.dtype).removeprefix('torch.')} range",
+                f"NaN or inf in the output '{name}'",
+            )
 
 
 # glmport.core.library installs dispatch.run here when it registers the ops: the path

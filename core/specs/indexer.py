@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8_DTYPE
-from ..validate import FLOAT_DTYPES, Checker, Level
-from .base import OpSpec, invoke
+from ..validate import FLOAT_DTYPES, Checker, Level, abs_max
+from .base import OpSpec, ResultGuard, invoke
 
 _QK_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
 
@@ -46,13 +46,27 @@ def _check_scores_inputs(c: Checker, q, k, weights, k_start, k_end, q_scale, k_s
                 "<= k_end for every query",
                 f"k_start[{row}]={int(k_start[row])} > k_end[{row}]={int(k_end[row])}",
             )
-        c.finite("weights", weights)
-        c.finite("q", q)  # a NaN score would make the chosen set arbitrary
+        w_max = c.finite("weights", weights)
+        q_max = c.finite("q", q)  # a NaN score would make the chosen set arbitrary
         for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
             if s is not None:  # k_scale: one float per slot, 1/Di of the key cache
                 c.finite_positive(name, s)
     if values >= Level.STRICT:  # the whole key cache: as long as the decode step itself
-        c.finite("k", k)
+        k_max = c.finite("k", k)
+        if fp8:  # the dot products of dequantised rows
+            q_max *= abs_max(q_scale)
+            k_max *= abs_max(k_scale)
+        # q . k per head, then a weighted sum over the Hi heads.
+        bound = q_max * k_max * di * max(1.0, hi * w_max)
+        c.within_fp32("q", bound, "the scores (max|q| * max|k| * Di * max(1, Hi * max|weights|))")
+
+
+def _range_lengths(k_start, k_end, n):
+    """``[T]`` keys in each query's range (the ranges are checked from ``full`` up)."""
+    return (k_end.clamp(0, n) - k_start.clamp(0, n)).clamp_min(0)
+
+
+_SCORES = "the scores sum_h weights * relu(q . k)"
 
 
 _SCORE_FEATURES = ("dtype", "q_heads", "head_dim", "keys")
@@ -74,6 +88,13 @@ def _check_indexer(c: Checker, q, k, weights, k_start, k_end, topk, q_scale, k_s
     c.int_in_range("topk", topk, 1)
 
 
+def _guarded_indexer(outs, q, k, weights, k_start, k_end, topk, *_scales):
+    """Only the ``-1`` tail of a short range scores ``-inf``; an overflowed score is
+    NaN, ``+inf``, or a ``-inf`` (a negative weight times ``+inf``) in place of a key."""
+    pad = (topk - _range_lengths(k_start, k_end, k.shape[0])).clamp_min(0).sum()
+    return [("scores", outs[1], pad)]
+
+
 def _fake_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
     t = q.shape[0]
     return (
@@ -91,6 +112,7 @@ LIGHTNING_INDEXER = OpSpec(
     features=_indexer_features,
     feature_names=(*_SCORE_FEATURES, "topk"),
     tie_outputs=(0,),
+    result_guard=ResultGuard("q", _SCORES, _guarded_indexer),
 )
 
 
@@ -124,6 +146,12 @@ def lightning_indexer(
         indices: ``[T, topk]`` int32 slot ids, best first; ties go to the lower slot.
         When a query has fewer than ``topk`` valid slots the tail is ``-1``.
         scores: ``[T, topk]`` fp32 matching scores, ``-inf`` where the index is ``-1``.
+
+    A score beyond float32 is refused with an ``OpInputError`` naming ``q`` (before
+    the kernel under ``GLMPORT_VALIDATE=strict``, from the outputs under ``full``).
+    Unchecked (``meta``), an overflowed score is ``+inf`` (NaN where it came from
+    ``+inf`` and ``-inf`` terms): it ranks first (ties to the lower slot) and keeps its
+    slot, never ``-1``.
     """
     return invoke(LIGHTNING_INDEXER, q, k, weights, k_start, k_end, topk, q_scale, k_scale)
 
@@ -133,6 +161,12 @@ def lightning_indexer(
 
 def _check_logits(c: Checker, q, k, weights, k_start, k_end, q_scale, k_scale, *, values):
     _check_scores_inputs(c, q, k, weights, k_start, k_end, q_scale, k_scale, values)
+
+
+def _guarded_logits(out, q, k, weights, k_start, k_end, *_scales):
+    """Only the keys outside a query's range score ``-inf``."""
+    n = k.shape[0]
+    return [("scores", out, (n - _range_lengths(k_start, k_end, n)).sum())]
 
 
 def _fake_logits(q, k, weights, k_start, k_end, q_scale=None, k_scale=None):
@@ -148,6 +182,7 @@ INDEXER_LOGITS = OpSpec(
     features=_features,
     feature_names=_SCORE_FEATURES,
     differentiable=("q", "k", "weights"),
+    result_guard=ResultGuard("q", _SCORES, _guarded_logits),
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, abs_max
+from ..validate import FLOAT_DTYPES, FP32_TINY, INDEX_DTYPES, Checker, abs_max, describe
 from .base import OpSpec, invoke
 
 
@@ -14,14 +14,25 @@ def _check(c: Checker, hidden, lm_head, targets, temperature, *, values):
     c.tensor("lm_head", lm_head, shape=(None, ("D", d)), dtypes=(hidden.dtype,))
     c.tensor("targets", targets, shape=(("T", t),), dtypes=INDEX_DTYPES)
     c.positive_float("temperature", temperature)
+    if temperature < FP32_TINY:  # kernels divide by it in float32, where it would be 0
+        c.fail(
+            "temperature",
+            f">= {FP32_TINY:.4g}, the smallest normal number of the float32 range "
+            "(kernels divide by it)",
+            describe(temperature),
+        )
     c.same_device(hidden=hidden, lm_head=lm_head, targets=targets)
     if values:
         c.in_range("targets", targets, 0, lm_head.shape[0])
-        # The entropy sums p * z over the vocabulary: V * max|z| must fit too.
-        v = max(lm_head.shape[0], 1)
-        bound = abs_max(hidden) * abs_max(lm_head) * d / temperature * v
+        # |h . w| <= A; the logits z - max z span 2A / temperature, and the entropy sums
+        # p * z over the vocabulary: V * max|z| must fit too.
+        a = abs_max(hidden) * abs_max(lm_head) * d
+        bound = 2 * a * max(1.0, lm_head.shape[0] / temperature)
         c.within_fp32(
-            "temperature", bound, "V * max|z|, z = hidden . lm_head / temperature", "large"
+            "temperature",
+            bound,
+            "2 * max|h . w| * max(1, V / temperature), h . w / temperature the logits",
+            "large",
         )
 
 
@@ -59,10 +70,12 @@ def token_logprobs(
         hidden: ``[T, D]`` fp32 | bf16 | fp16 final hidden states (after the last norm).
         lm_head: ``[V, D]`` same dtype.
         targets: ``[T]`` int32 | int64 in ``[0, V)``.
-        temperature: finite, ``> 0`` (the rollout sampling temperature).
+        temperature: finite, at least the smallest normal float32 (``1.18e-38``; the
+            rollout sampling temperature).
 
     Returns:
-        logp: ``[T]`` fp32; entropy: ``[T]`` fp32. Differentiable in ``hidden`` and
-        ``lm_head``.
+        logp: ``[T]`` fp32, never above 0; entropy: ``[T]`` fp32, never below 0.
+        Differentiable in ``hidden`` and ``lm_head``. Logits whose spread exceeds
+        float32 are refused with an ``OpInputError`` naming ``temperature``.
     """
     return invoke(TOKEN_LOGPROBS, hidden, lm_head, targets, temperature)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..formats import FLOAT_WEIGHT, dequantize_weight, fake_quant_activation
-from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker
-from .base import OpSpec, invoke, invoke_prepared
-from .quant import PreparedWeight, check_quant_weight
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level, abs_max
+from .base import OpSpec, ResultGuard, invoke, invoke_prepared
+from .quant import (
+    PRODUCT_GUARD,
+    PreparedWeight,
+    check_product_bound,
+    check_quant_weight,
+)
 
 # -- moe_gate ----------------------------------------------------------------------
 
@@ -44,13 +49,18 @@ def _check_gate(
     if top_k > reachable:
         c.fail("top_k", f"<= the {reachable} experts in the kept groups", repr(top_k))
     c.positive_float("routed_scaling_factor", routed_scaling_factor)
+    # Weights are at most 1 before the scaling: the product must stay a float32.
+    c.within_fp32("routed_scaling_factor", routed_scaling_factor, "routed_scaling_factor")
     if not isinstance(norm_topk_prob, bool):
         c.fail("norm_topk_prob", "a bool", repr(norm_topk_prob))
     c.choice("score_func", score_func, SCORE_FUNCS)
     if values:
         c.finite("logits", logits)
         if bias is not None:
-            c.finite("bias", bias)
+            bias_max = c.finite("bias", bias)
+            # A group scores the sum of its best two choice scores s + bias, s in [0, 1]:
+            # an overflow to inf would tie groups the exact scores tell apart.
+            c.within_fp32("bias", 2 * (1 + bias_max), "a group's score 2 * (1 + max|bias|)")
 
 
 def _fake_gate(logits, bias, top_k, *_):
@@ -200,7 +210,10 @@ def _check_combine(c: Checker, y_sorted, src_row, weights, *, values):
             )
         ):
             c.fail("src_row", f"a permutation of 0..{rows - 1}", "a repeated row id")
-        c.finite("weights", weights)
+        w_max = c.finite("weights", weights)
+        if values >= Level.STRICT:  # y_sorted: as large as the op's whole input
+            bound = weights.shape[1] * w_max * abs_max(y_sorted)
+            c.within_fp32("weights", bound, "a weighted sum (k * max|weights| * max|y_sorted|)")
 
 
 def _fake_combine(y_sorted, src_row, weights):
@@ -219,6 +232,9 @@ MOE_COMBINE = OpSpec(
     },
     feature_names=("dtype", "hidden", "top_k"),
     differentiable=("y_sorted", "weights"),
+    result_guard=ResultGuard(
+        "weights", "the weighted sums of y_sorted", lambda out, *args: [("out", out, 0)]
+    ),
 )
 
 
@@ -255,6 +271,8 @@ def _check_grouped(c: Checker, x, w, expert_offsets, w_scale, scheme, group_size
         c.tensor("w", w, shape=(("E", e), None, ("K", x.shape[1])), dtypes=(x.dtype,))
         if w_scale is not None:
             c.fail("w_scale", f"None with scheme={FLOAT_WEIGHT!r}", "a scale tensor")
+        if values:
+            check_product_bound(c, x, w, values)
     else:
         check_quant_weight(c, x, w, w_scale, scheme, group_size, values=values, experts=e)
     if values:
@@ -312,6 +330,7 @@ GROUPED_GEMM = OpSpec(
     feature_names=("dtype", "scheme", "experts", "out_features", "in_features"),
     differentiable=("x", "w"),
     backward=_grouped_backward,
+    result_guard=PRODUCT_GUARD,
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..validate import FLOAT_DTYPES, Checker, Level, abs_max
-from .base import OpSpec, invoke
+from .base import OpSpec, ResultGuard, invoke
 
 # -- rms_norm ----------------------------------------------------------------------
 
@@ -63,8 +63,8 @@ def _check_rope(c: Checker, x, cos, sin, interleaved, *, values):
         c.fail("interleaved", "a bool", repr(interleaved))
     c.same_device(x=x, cos=cos, sin=sin)
     if values >= Level.STRICT:  # a NaN or inf angle makes NaN outputs: loud, not silent
-        c.finite("cos", cos)
-        c.finite("sin", sin)
+        rotation = c.finite("cos", cos) + c.finite("sin", sin)
+        c.within_fp32("x", abs_max(x) * rotation, "a rotated pair (max|x| * (max|cos| + max|sin|))")
 
 
 ROPE = OpSpec(
@@ -79,6 +79,9 @@ ROPE = OpSpec(
     },
     feature_names=("dtype", "rope_dim", "interleaved"),
     differentiable=("x",),
+    # A rotated pair reaches sqrt(2) max|x| (more for |cos|, |sin| > 1): in float16
+    # from |x| > 46341 on, which no check of x alone would refuse.
+    result_guard=ResultGuard("x", "the rotated pairs", lambda out, *args: [("out", out, 0)]),
 )
 
 

@@ -11,13 +11,15 @@ import torch
 from ..errors import OpInputError
 from ..formats import (
     FORMATS,
+    FP8_DTYPE,
+    FP8_MAX,
     SCHEMES,
     QuantScheme,
     dequantize_weight,
     fake_quant_activation,
 )
-from ..validate import FLOAT_DTYPES, Checker, describe
-from .base import OpSpec, invoke, invoke_prepared
+from ..validate import FLOAT_DTYPES, Checker, Level, abs_max, describe
+from .base import OpSpec, ResultGuard, invoke, invoke_prepared
 
 # -- prepared weights ----------------------------------------------------------------
 
@@ -163,14 +165,56 @@ def check_quant_weight(
         want = s.weight.scale_shape(n, k, group or s.fixed_group_size or k)
         c.tensor("w_scale", w_scale, shape=(*lead, *want), dtypes=(torch.float32,))
         c.same_device(x=x, w_scale=w_scale)
-        if values:
-            c.finite_positive("w_scale", w_scale)
     if s.weight.storage == torch.uint8:
         group = group_size if w.dtype in FLOAT_DTYPES else s.weight_group_size(k, w_scale)
         _check_int4_groups(c, "x", k, group)
     c.same_device(x=x, w=w)
-    if values and s.activation is not None:
-        c.finite("x", x)
+    if not values:
+        return
+    packed = w.dtype not in FLOAT_DTYPES
+    # Packed: |w| <= its largest code times max w_scale (a scan of the scales only).
+    w_max = c.finite_positive("w_scale", w_scale) if packed else None
+    x_max = c.finite("x", x) if s.activation is not None else None
+    codes = 1.0
+    if packed:  # an integer or fp8 accumulator of codes, then the scales
+        codes = CODE_MAX[s.weight.storage]
+        codes *= CODE_MAX[s.activation.storage] if s.activation is not None else 1.0
+    check_product_bound(c, x, w, values, x_max=x_max, w_max=w_max, codes=codes)
+
+
+# The largest magnitude of a packed code, by storage dtype (int8 includes -128).
+CODE_MAX = {torch.int8: 128.0, torch.uint8: 8.0, FP8_DTYPE: FP8_MAX}
+
+
+def check_product_bound(
+    c: Checker,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    values: int,
+    *,
+    x_max: float | None = None,
+    w_max: float | None = None,
+    codes: float = 1.0,
+) -> None:
+    """Before the kernel: the partial sums of ``y = x @ w.T`` (``K`` terms, ``w``
+    dequantised) stay within float32. ``x_max`` / ``w_max``: magnitudes the checks
+    already read (``w_max`` of a packed weight: its largest scale); ``None``: read here
+    under ``GLMPORT_VALIDATE=strict`` (a weight or unquantised activation ``full`` does
+    not scan; there the result check catches an overflow). ``codes``: the product of
+    the largest weight and activation codes of a quantised accumulator, 1 for float.
+    The ``max(., 1)`` terms cover a kernel applying the scales after accumulating."""
+    if values >= Level.STRICT:
+        x_max = abs_max(x) if x_max is None else x_max
+        w_max = abs_max(w) if w_max is None else w_max
+    if x_max is None or w_max is None:
+        return
+    bound = x.shape[1] * codes * max(x_max, 1.0) * max(w_max, 1.0)
+    c.within_fp32("x", bound, "the partial sums of x @ w.T (K * max|x| * max|w|, codes, scales)")
+
+
+# A GEMM's product: float32 partial sums (bounded before the kernel where the level
+# scans both operands) rounded to x's dtype, which may be float16.
+PRODUCT_GUARD = ResultGuard("x", "x @ w.T", lambda y, *args: [("y", y, 0)])
 
 
 def _check_quant_gemm(c: Checker, x, w, w_scale, scheme, group_size, *, values):
@@ -210,6 +254,7 @@ QUANT_GEMM = OpSpec(
     feature_names=("dtype", "scheme", "out_features", "in_features"),
     differentiable=("x", "w"),
     backward=_quant_gemm_backward,
+    result_guard=PRODUCT_GUARD,
 )
 
 
