@@ -1190,6 +1190,8 @@ def test_bad_calls_do_not_crash_the_process() -> None:
     must have raised glmport's error (not a segfault, abort or another exception)."""
     assert importlib.util.find_spec("glmport") is not None
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLMPORT_")}
+    # The module imports its neighbours in tests/ (hang_guard), as pytest lets it.
+    env["PYTHONPATH"] = os.path.dirname(__file__)
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, __file__],
         capture_output=True,
