@@ -796,10 +796,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     _check_environment()
     _require_export_extra()
-    model = _load_model(args.model, args.dtype)
     kind = "decode" if args.decode else "prefill"
+    _check_export_out(args.out, args.target)
+    fixed = _fixed_axes(args, kind) if args.target == "tvm" else None
+    model = _load_model(args.model, args.dtype)
+    _check_fixed_positions(fixed, model.config.max_position_embeddings)
     start = time.perf_counter()
-    fixed = None
     with glmport.use_backend(args.backend or None):
         if args.target == "onnx":
             from glmport.export.onnx_model import OnnxRuntimeModel, export_onnx, save_onnx
@@ -810,7 +812,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else:
             from glmport.export.tvm_model import TvmModel
 
-            fixed = _fixed_axes(args, kind)
             compiled = TvmModel.build(model, kind, source=args.source, fixed=fixed)
             path = compiled.save(args.out)
             shapes = f", fixed {fixed}" if fixed else ""
@@ -840,6 +841,59 @@ def _require_export_extra() -> None:
     from glmport.core.extras import require
 
     require("glmport export", "onnx", "onnxruntime", "onnxscript", "tvm")
+
+
+def _export_tolerance(text: str) -> float:
+    """``export --tolerance``: a finite number >= 0 (NaN would pass every comparison)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+# ``export tvm --from onnx --batch``: one compiled call's sequences; the check after the
+# export runs the eager model on that many.
+_MAX_FIXED_BATCH = 1024
+
+
+def _fixed_batch(text: str) -> int:
+    value = _positive(text)
+    if value > _MAX_FIXED_BATCH:
+        raise argparse.ArgumentTypeError(f"expected at most {_MAX_FIXED_BATCH}, got {text}")
+    return value
+
+
+def _check_export_out(out: str, target: str) -> None:
+    """``export --out`` before any work: an ONNX file that is not a folder, a TVM folder
+    that is not a file, under a folder that exists (or can be made) and is writable."""
+    from pathlib import Path
+
+    path = Path(out)
+    want_file = target == "onnx"
+    if out.strip() == "" or (path.exists() and path.is_dir() == want_file):
+        kind = "a file to write, not a folder" if want_file else "a folder, not a file"
+        raise ConfigError(f"--out {out!r}: export {target} writes {kind}")
+    # The nearest path that exists is where the missing folders get made.
+    candidates = path.parents if want_file else (path, *path.parents)
+    base = next(p for p in candidates if p.exists())
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out!r}: {base} is not a folder this user can write into")
+
+
+def _check_fixed_positions(fixed: dict[str, int] | None, max_positions: int) -> None:
+    """``--seq`` / ``--past`` within the model's ``max_position_embeddings`` (with the
+    new token, for ``--past``)."""
+    for axis, limit in (("seq", max_positions), ("past", max_positions - 1)):
+        if fixed and fixed.get(axis, 0) > limit:
+            raise ConfigError(
+                f"--{axis} {fixed[axis]}: the model holds at most {max_positions} positions "
+                f"(max_position_embeddings), so --{axis} goes up to {limit}"
+            )
 
 
 def _fixed_axes(args: argparse.Namespace, kind: str) -> dict[str, int] | None:
@@ -1054,7 +1108,12 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
         t.add_argument("--backend", default=None, help="backend of the eager reference run")
         t.add_argument("--no-check", action="store_true", help="skip the check against torch")
-        t.add_argument("--tolerance", type=float, default=1e-4, help="max |logits - torch|")
+        t.add_argument(
+            "--tolerance",
+            type=_export_tolerance,
+            default=1e-4,
+            help="max |logits - torch|: a finite number >= 0",
+        )
         t.set_defaults(func=_cmd_export)
     targets.choices["onnx"].add_argument(
         "--inline", action="store_true", help="standard ops only (no ai.glmport nodes)"
@@ -1067,9 +1126,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.export -> Relax (default, dynamic axes), or the inlined ONNX export -> "
         "Relax (fixed axes: give --batch and --seq, or --batch and --past with --decode)",
     )
-    for axis in ("batch", "seq", "past"):
+    for axis, size, limit in (
+        ("batch", _fixed_batch, f"1 to {_MAX_FIXED_BATCH}"),
+        ("seq", _positive, "1 to the model's max_position_embeddings"),
+        ("past", _positive, "1 to max_position_embeddings - 1"),
+    ):
         targets.choices["tvm"].add_argument(
-            f"--{axis}", type=int, default=None, help=f"fixed {axis} size (--from onnx)"
+            f"--{axis}", type=size, default=None, help=f"fixed {axis} size (--from onnx): {limit}"
         )
 
     rl = sub.add_parser("rl", help="GLM-5's RL post-training on toy verifiable tasks")
