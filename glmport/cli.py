@@ -875,9 +875,12 @@ def _check_export_out(out: str, target: str) -> None:
 
     path = Path(out)
     want_file = target == "onnx"
-    if out.strip() == "" or (path.exists() and path.is_dir() == want_file):
-        kind = "a file to write, not a folder" if want_file else "a folder, not a file"
-        raise ConfigError(f"--out {out!r}: export {target} writes {kind}")
+    if not out.strip():
+        raise ConfigError(f"--out {out!r} names no path")
+    if path.exists() and path.is_dir() == want_file:
+        if want_file:
+            raise ConfigError(f"--out {out!r} is a folder; export onnx writes a file: its path")
+        raise ConfigError(f"--out {out!r} is a file; export tvm writes a folder: its path")
     # The nearest path that exists is where the missing folders get made.
     candidates = path.parents if want_file else (path, *path.parents)
     base = next(p for p in candidates if p.exists())

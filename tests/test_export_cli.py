@@ -107,11 +107,12 @@ def test_out_is_checked_before_the_work(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("")
     cases = [
-        ("onnx", tmp_path, "writes a file to write, not a folder"),
-        ("tvm", a_file, "writes a folder, not a file"),
+        ("onnx", tmp_path, "is a folder; export onnx writes a file"),
+        ("tvm", a_file, "is a file; export tvm writes a folder"),
         ("onnx", a_file / "m.onnx", "is not a folder this user can write into"),
         ("tvm", a_file / "t", "is not a folder this user can write into"),
-        ("onnx", "", "writes a file to write, not a folder"),
+        ("onnx", "", "names no path"),
+        ("tvm", " ", "names no path"),
     ]
     for target, out, needle in cases:
         assert _export(target, "--model", "tiny", "--out", str(out)) == 2, (target, out)
