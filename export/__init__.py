@@ -7,8 +7,10 @@
 - :mod:`.tvm_ops`: each op lowered to Relax; :mod:`.tvm_model`: the model to a
   compiled Relax VM module (from torch.export or from the ONNX export).
 - :mod:`.ort_backend`, :mod:`.tvm_backend`: onnxruntime and TVM as glmport backends, so
-  the conformance suite judges them (each op exported alone and run in the runtime).
+  the conformance suite judges them (each op exported alone and run in the runtime);
+  :mod:`.empty_sources`: the calls they answer from the shapes (no key, no expert).
 
-Everything but :mod:`.graph` and :mod:`.check` needs the ``export`` extra (onnx,
-onnxruntime, onnxscript, apache-tvm); nothing here is imported by ``import glmport``.
+Everything but :mod:`.graph`, :mod:`.check` and :mod:`.empty_sources` needs the
+``export`` extra (onnx, onnxruntime, onnxscript, apache-tvm); nothing here is imported
+by ``import glmport``.
 """

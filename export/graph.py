@@ -14,7 +14,7 @@ positions each: prefill is the step with ``P = 0``, decode the step with ``S = 1
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
@@ -81,7 +81,9 @@ class StepGraph(nn.Module):
             )
             latents.append(latent)
             index_keys.append(keys)
-        logits = self.model.lm_head(body.norm(x)).view(b, s, -1)
+        # The vocabulary axis named, not inferred: with no position (b * s = 0) a -1
+        # cannot be inferred and exporters fill in something else.
+        logits = self.model.lm_head(body.norm(x)).view(b, s, self.model.config.vocab_size)
         return logits, torch.stack(latents), torch.stack(index_keys)
 
 
@@ -165,3 +167,107 @@ def empty_caches(
         w.new_zeros((*shape, c.kv_lora_rank + c.qk_rope_head_dim)),
         w.new_zeros((*shape, c.index_head_dim)),
     )
+
+
+class GraphInputError(GlmportError, ValueError):
+    """An input that an exported graph (:data:`GRAPH_INPUTS`) cannot compute correctly,
+    refused by glmport's runner before the runtime sees it.
+
+    Attributes:
+        graph: the graph kind, ``"prefill"`` or ``"decode"``.
+        input: the offending input, e.g. ``"input_ids"``.
+        expected: what the graph takes.
+        got: what came.
+    """
+
+    def __init__(self, graph: str, input: str, expected: str, got: str) -> None:
+        self.graph, self.input, self.expected, self.got = graph, input, expected, got
+        super().__init__(f"exported {graph} graph: input '{input}' must be {expected}, got {got}")
+
+
+def cache_widths(config: Mapping[str, object]) -> dict[str, int]:
+    """The last axis of each cache input: ``past_latent`` holds ``kv_lora_rank +
+    qk_rope_head_dim``, ``past_index_keys`` ``index_head_dim`` (``config`` as
+    ``GlmMoeDsaConfig.to_dict()`` writes it)."""
+    return {
+        "past_latent": config["kv_lora_rank"] + config["qk_rope_head_dim"],
+        "past_index_keys": config["index_head_dim"],
+    }
+
+
+def check_graph_inputs(
+    kind: GraphKind,
+    config: Mapping[str, object],
+    dtype: torch.dtype | None,
+    inputs: Sequence[object],
+    fixed: Mapping[str, int] | None = None,
+) -> None:
+    """Raise :class:`GraphInputError` naming the first input of the graph of ``kind``
+    that it cannot compute correctly; what a runner checks before the runtime runs.
+
+    ``inputs`` are :data:`GRAPH_INPUTS` ``[kind]`` in order: ``input_ids [batch, seq]``
+    int64 (``seq = 1`` for decode), every id in ``[0, vocab_size)``, at least one
+    sequence of one position (the graph was traced for sizes from 1, and the eager
+    model refuses an empty batch too); for decode ``past_latent`` and
+    ``past_index_keys`` ``[num_hidden_layers, batch, past, width]`` in ``dtype`` (the
+    model's; None for prefill), of ``input_ids``' batch and one ``past`` (0 allowed), widths
+    :func:`cache_widths`. ``fixed``: the static axes of a graph compiled for one shape
+    (``batch`` and ``seq`` or ``past``). ``config`` is ``GlmMoeDsaConfig.to_dict()``'s.
+    Cache values are not read: a cache of the right shape from another prompt gives
+    that prompt's logits."""
+    names = GRAPH_INPUTS[kind]
+
+    def refuse(name: str, expected: str, got: str) -> GraphInputError:
+        return GraphInputError(kind, name, expected, got)
+
+    if len(inputs) != len(names):
+        raise refuse("inputs", f"{len(names)} tensors ({', '.join(names)})", str(len(inputs)))
+    for name, value in zip(names, inputs, strict=True):
+        if not isinstance(value, torch.Tensor):
+            raise refuse(name, "a torch.Tensor", type(value).__name__)
+        want_dtype, want_ndim = (torch.int64, 2) if name == "input_ids" else (dtype, 4)
+        if value.dtype != want_dtype:
+            raise refuse(name, _dtype_name(want_dtype), _dtype_name(value.dtype))
+        if value.dim() != want_ndim:
+            raise refuse(name, f"a {want_ndim}-d tensor", f"shape {list(value.shape)}")
+    ids = inputs[0]
+    batch, seq = ids.shape
+    if batch < 1 or seq < 1:
+        raise refuse(
+            "input_ids", "[batch, seq] with batch and seq >= 1", f"shape {list(ids.shape)}"
+        )
+    if kind == "decode" and seq != 1:
+        raise refuse(
+            "input_ids", "[batch, 1]: one new token a sequence", f"shape {list(ids.shape)}"
+        )
+    vocab = config["vocab_size"]
+    outside = (ids < 0) | (ids >= vocab)
+    if bool(outside.any()):
+        at = outside.nonzero()[0].tolist()
+        raise refuse("input_ids", f"token ids in [0, {vocab})", f"{int(ids[tuple(at)])} at {at}")
+    sizes = {"batch": batch, "seq": seq}
+    if kind == "decode":
+        layers, widths = config["num_hidden_layers"], cache_widths(config)
+        for name, cache in zip(names[1:], inputs[1:], strict=True):
+            want = [layers, batch, cache.shape[2], widths[name]]
+            if list(cache.shape) != want:
+                expected = f"[{layers} layers, batch {batch} as input_ids, past, {widths[name]}]"
+                raise refuse(name, expected, f"shape {list(cache.shape)}")
+        past, keys_past = inputs[1].shape[2], inputs[2].shape[2]
+        if keys_past != past:
+            expected = f"past_latent's {past} cached positions (axis 2)"
+            raise refuse("past_index_keys", expected, str(keys_past))
+        sizes = {"batch": batch, "past": past}
+    positions = batch * (sizes.get("past", 0) + seq)
+    if positions >= 2**31:  # the graph's key ranges are int32
+        raise refuse("input_ids", "batch * (past + seq) below 2**31", str(positions))
+    for axis, size in (fixed or {}).items():
+        if sizes[axis] != size:
+            name = "past_latent" if axis == "past" else "input_ids"
+            raise refuse(
+                name, f"{axis} {size}, the fixed axis it was compiled for", str(sizes[axis])
+            )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -17,14 +17,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import onnx
 import onnx.inliner
 import torch
 
-from glmport.core.errors import UnsupportedError
+from glmport.core.errors import ConfigError, UnsupportedError
 from glmport.model.causal_lm import GlmMoeDsaForCausalLM
 
-from .graph import GRAPH_INPUTS, GRAPH_OUTPUTS, GraphKind, traced_graph, unwrapped_errors
+from .graph import (
+    GRAPH_INPUTS,
+    GRAPH_OUTPUTS,
+    GraphKind,
+    check_graph_inputs,
+    traced_graph,
+    unwrapped_errors,
+)
 from .onnx_ops import DOMAIN, OPSET, attach_functions, translation_table
 from .ort_backend import from_ort, to_ort
 
@@ -33,13 +41,19 @@ _EXTERNAL_DATA_BYTES = 1 << 30
 
 
 def export_onnx(
-    model: GlmMoeDsaForCausalLM, kind: GraphKind = "prefill", *, inline: bool = False
+    model: GlmMoeDsaForCausalLM,
+    kind: GraphKind = "prefill",
+    *,
+    inline: bool = False,
+    guards: bool = True,
 ) -> onnx.ModelProto:
     """``model`` as an ONNX model of :mod:`.graph`'s ``kind`` ("prefill": ``input_ids
     [batch, seq]`` -> logits and caches; "decode": one step on the caches), dynamic batch,
-    sequence and cache axes. Checked with ``onnx.checker`` (full) and strict shape
-    inference. Raises :class:`~glmport.core.errors.UnsupportedError` naming the op a
-    translation cannot take."""
+    sequence and cache axes. With ``guards`` (the default) the graph fails on inputs it
+    cannot compute correctly (:func:`_guard_inputs`); ``guards=False`` leaves them out
+    for the ONNX road into TVM, which adds its own. Checked with ``onnx.checker`` (full)
+    and strict shape inference. Raises :class:`~glmport.core.errors.UnsupportedError`
+    naming the op a translation cannot take."""
     graph, args, dynamic = traced_graph(model, kind)
     with _quiet_exporter(), unwrapped_errors():
         program = torch.onnx.export(
@@ -55,6 +69,8 @@ def export_onnx(
             verbose=False,
         )
     proto = attach_functions(_fp8_as_bits(program.model_proto))
+    if guards:
+        _guard_inputs(proto, kind, model.config.vocab_size)
     if inline:
         proto = onnx.inliner.inline_local_functions(proto)
         del proto.functions[:]
@@ -106,6 +122,72 @@ def _fp8_as_bits(proto: onnx.ModelProto) -> onnx.ModelProto:
     return proto
 
 
+def _guard_inputs(proto: onnx.ModelProto, kind: GraphKind, vocab: int) -> None:
+    """Make the graph fail, in any runtime that follows the ONNX spec, on the inputs it
+    cannot compute correctly (:func:`~glmport.export.graph.check_graph_inputs` refuses
+    the same ones with a typed error before a glmport runner feeds them).
+
+    Opset 18 has no assertion, and a check beside the data path would be pruned, so
+    each condition gates ``input_ids`` on its way into the graph: a ``Reshape`` to its
+    own shape while the condition holds, else to one element more, which the spec makes
+    an error. The ``Reshape`` is named after the condition, so the runtime's error says
+    which one failed (onnxruntime: "... running Reshape node. Name:'glmport guard:
+    input_ids in [0, 128)' ..."). The conditions: at least one sequence of one position;
+    every id in ``[0, vocab)`` (Gather would take a negative id from the end of the
+    embedding); for decode, both caches of ``input_ids``' batch and of one length. The
+    runtime itself checks dtypes, ranks and fixed sizes against the graph's inputs."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes: list[onnx.NodeProto] = []
+
+    def node(op_type: str, *inputs: str, name: str = "", **attrs: object) -> str:
+        out = f"glmport_guard_{len(nodes)}"
+        nodes.append(helper.make_node(op_type, list(inputs), [out], name=name or out, **attrs))
+        return out
+
+    def ints(*values: int) -> str:
+        return node("Constant", value=numpy_helper.from_array(numpy.array(values, "int64")))
+
+    def dim(value: str, axis: int) -> str:
+        return node("Gather", node("Shape", value), ints(axis), axis=0)
+
+    ids = "input_ids"
+    shape, size = node("Shape", ids), node("Size", ids)
+    one_more = node("Concat", node("Add", node("Reshape", size, ints(1)), ints(1)), ints(1), axis=0)
+    gated = ids
+
+    def gate(ok: str, condition: str) -> None:
+        nonlocal gated
+        target = node("Where", ok, shape, one_more)
+        gated = node("Reshape", gated, target, name=f"glmport guard: {condition}")
+
+    gate(node("Greater", size, ints(0)), "input_ids [batch, seq] with batch and seq >= 1")
+    outside = node(
+        "Not", node("And", node("GreaterOrEqual", ids, ints(0)), node("Less", ids, ints(vocab)))
+    )
+    count = node("ReduceSum", node("Cast", outside, to=TensorProto.INT64), keepdims=0)
+    gate(node("Equal", count, ints(0)), f"input_ids in [0, {vocab})")
+    if kind == "decode":
+        batch = dim(ids, 0)
+        same_batch = node(
+            "And",
+            node("Equal", dim("past_latent", 1), batch),
+            node("Equal", dim("past_index_keys", 1), batch),
+        )
+        gate(same_batch, "past_latent and past_index_keys of input_ids' batch (axis 1)")
+        same_past = node("Equal", dim("past_latent", 2), dim("past_index_keys", 2))
+        gate(same_past, "past_index_keys as many cached positions as past_latent (axis 2)")
+    for n in proto.graph.node:
+        n.input[:] = [gated if i == ids else i for i in n.input]
+    graph_nodes = list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes + graph_nodes)
+    declared = next(v for v in proto.graph.input if v.name == ids)
+    checked = proto.graph.value_info.add()
+    checked.CopyFrom(declared)
+    checked.name = gated
+
+
 def save_onnx(proto: onnx.ModelProto, path: str | Path) -> Path:
     """Write ``proto`` to ``path``; weights past 1 GiB go to ``<name>.data`` beside it."""
     path = Path(path)
@@ -117,13 +199,36 @@ def save_onnx(proto: onnx.ModelProto, path: str | Path) -> Path:
     return path
 
 
+# The ONNX element types a cache input may have (the model's dtype).
+_CACHE_DTYPES = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+}
+
+
 @dataclass
 class OnnxRuntimeModel:
     """An exported graph in an onnxruntime session: ``run`` takes the graph's inputs as
     torch tensors (``input_ids`` int64, caches in the model's dtype) and returns its
-    outputs (logits, present latent, present index keys) as torch tensors."""
+    outputs (logits, present latent, present index keys) as torch tensors. It refuses
+    inputs the graph cannot compute correctly with a
+    :class:`~glmport.export.graph.GraphInputError` naming the input, before the runtime
+    sees them (:func:`~glmport.export.graph.check_graph_inputs`)."""
 
     session: object
+
+    def __post_init__(self) -> None:
+        props = self.session.get_modelmeta().custom_metadata_map
+        if "glmport.graph" not in props or "glmport.config" not in props:
+            raise ConfigError(
+                "this ONNX model is not a glmport export: its metadata lacks glmport.graph "
+                "and glmport.config (export it with glmport export onnx)"
+            )
+        self.kind: GraphKind = props["glmport.graph"]
+        self.config: dict = json.loads(props["glmport.config"])
+        caches = self.session.get_inputs()[1:]  # decode: the model's dtype
+        self.dtype = _CACHE_DTYPES[caches[0].type] if caches else None
 
     @classmethod
     def load(cls, model: str | Path | onnx.ModelProto, threads: int = 0) -> OnnxRuntimeModel:
@@ -141,6 +246,7 @@ class OnnxRuntimeModel:
             raise UnsupportedError(f"onnxruntime's CPU execution provider: {err}") from err
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        check_graph_inputs(self.kind, self.config, self.dtype, inputs)
         names = [i.name for i in self.session.get_inputs()]
         feed = {n: to_ort(t.cpu()) for n, t in zip(names, inputs, strict=True)}
         return tuple(from_ort(o) for o in self.session.run_with_ort_values(None, feed))

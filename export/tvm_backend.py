@@ -22,6 +22,8 @@ from glmport.core.extras import missing
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
 from glmport.core.specs import OP_NAMES
 
+from .empty_sources import result_without_source_rows
+
 log = logging.getLogger("glmport")
 
 _NOT_FP8 = (torch.float32, torch.bfloat16, torch.float16)
@@ -117,16 +119,41 @@ def from_tvm(value: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
 
 def to_tvm(t: torch.Tensor) -> Any:
     """A CPU tensor as a TVM tensor through DLPack. TVM's import wants a 64-byte aligned
-    address: a view that starts elsewhere in a larger tensor is copied first."""
+    address (a view that starts elsewhere in a larger tensor is copied first), and its
+    calls want compact row-major strides (:func:`_compact`), which torch does not give
+    every tensor it calls contiguous: those are copied into compact storage too."""
     import tvm
 
-    t = t.detach().contiguous()
-    return tvm.runtime.from_dlpack(t.clone() if t.data_ptr() % 64 else t)
+    t = t.detach()
+    if t.data_ptr() % 64 or not _compact(t):
+        t = torch.empty_strided(t.shape, _row_major(t.shape), dtype=t.dtype).copy_(t)
+    return tvm.runtime.from_dlpack(t)
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    """Each dimension's stride as the product of the later sizes (0 after a 0-size
+    dimension, where torch says 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _compact(t: torch.Tensor) -> bool:
+    """Whether TVM takes ``t``'s strides as compact: row-major in every dimension of a
+    size other than 1 (TVM ignores the stride of a size-1 dimension)."""
+    return all(
+        size == 1 or stride == want
+        for size, stride, want in zip(t.shape, t.stride(), _row_major(t.shape), strict=True)
+    )
 
 
 def _kernel(op: str) -> Kernel:
     def run(*args: object) -> object:
-
+        known = result_without_source_rows(op, args)
+        if known is not None:
+            return known
         function = COMPILED.function(op, args)
         return from_tvm(function(*(to_tvm(a) for a in args if isinstance(a, torch.Tensor))))
 

@@ -25,7 +25,7 @@ from glmport.core.errors import ConfigError, UnsupportedError
 from glmport.core.formats import FP8_DTYPE
 from glmport.model.causal_lm import GlmMoeDsaForCausalLM
 
-from .graph import GraphKind, traced_graph, unwrapped_errors
+from .graph import GraphKind, check_graph_inputs, traced_graph, unwrapped_errors
 from .tvm_backend import compile_relax, from_tvm, to_tvm
 from .tvm_ops import FP8_REASON, convert_map
 
@@ -67,17 +67,56 @@ def relax_module(
             program = torch.export.export(graph, args, dynamic_shapes=dynamic)
             _refuse_fp8_inputs(program)
             converters = {**convert_map(), **_matmuls_in_input_dtype()}
-            return from_exported_program(program, custom_convert_map=converters)
-        import onnxscript
-        from tvm.relax.frontend.onnx import from_onnx
+            mod = from_exported_program(program, custom_convert_map=converters)
+        else:
+            import onnxscript
+            from tvm.relax.frontend.onnx import from_onnx
 
-        from .onnx_model import export_onnx
+            from .onnx_model import export_onnx
 
-        proto = export_onnx(model, kind, inline=True)
-        for value, shape in zip(proto.graph.input, sizes, strict=True):
-            for dim, size in zip(value.type.tensor_type.shape.dim, shape, strict=True):
-                dim.dim_value = size
-        return from_onnx(_constants_as_value(onnxscript.optimizer.optimize(proto)))
+            # The ONNX guards gate input_ids through a Reshape of a data-dependent shape,
+            # which TVM's importer cannot take: the asserts below take their place.
+            proto = export_onnx(model, kind, inline=True, guards=False)
+            for value, shape in zip(proto.graph.input, sizes, strict=True):
+                for dim, size in zip(value.type.tensor_type.shape.dim, shape, strict=True):
+                    dim.dim_value = size
+            mod = from_onnx(_constants_as_value(onnxscript.optimizer.optimize(proto)))
+    return _guarded(mod, model.config.vocab_size)
+
+
+def _guarded(mod: tvm.IRModule, vocab: int) -> tvm.IRModule:
+    """``mod`` whose ``main`` asserts, before it runs the graph, that ``input_ids``
+    holds at least one sequence of one position and only ids in ``[0, vocab)``: TVM's
+    gather (``take``) does not check its indices, so a bad id read memory outside the
+    embedding. A failed assert raises ``AssertionError`` naming the condition. The VM
+    checks dtypes, ranks and every size the signature ties together (both caches of one
+    batch and length) itself."""
+    op = relax.op
+    graph = mod["main"]
+    others = {gv: f for gv, f in mod.functions_items() if gv.name_hint != "main"}
+    bb = relax.BlockBuilder(tvm.IRModule(others))
+    unchecked = bb.add_func(graph.without_attr("global_symbol"), "main_unchecked")
+    params = [relax.Var(p.name, p.ty) for p in graph.params]
+    ids = params[0]
+
+    def check(condition: relax.Expr, text: str) -> None:
+        bb.emit(op.assert_op(bb.emit(condition), [], f"glmport guard: {text}"))
+
+    def int64(value: int) -> relax.Expr:
+        return relax.const(value, "int64")
+
+    with bb.function("main", params):
+        size = op.shape_to_tensor(relax.ShapeExpr([ids.ty.shape[0] * ids.ty.shape[1]]))
+        check(
+            op.greater(op.reshape(size, []), int64(0)),
+            "input_ids [batch, seq] with batch and seq >= 1",
+        )
+        # After the check above: TVM's sum over no element returns uninitialised memory.
+        inside = op.logical_and(op.greater_equal(ids, int64(0)), op.less(ids, int64(vocab)))
+        outside = op.sum(op.astype(op.logical_not(inside), "int64"))
+        check(op.equal(outside, int64(0)), f"input_ids in [0, {vocab})")
+        bb.emit_func_output(bb.emit(relax.Call(unchecked, params)))
+    return bb.get()
 
 
 def _fixed_sizes(
@@ -169,11 +208,15 @@ def _constants_as_value(proto: onnx.ModelProto) -> onnx.ModelProto:
 @dataclass
 class TvmModel:
     """A compiled graph in the Relax VM: ``run`` takes the graph's inputs as torch tensors
-    and returns its outputs (logits, present latent, present index keys)."""
+    and returns its outputs (logits, present latent, present index keys). It refuses
+    inputs the graph cannot compute correctly with a
+    :class:`~glmport.export.graph.GraphInputError` naming the input, before the VM sees
+    them (:func:`~glmport.export.graph.check_graph_inputs`)."""
 
     executable: relax.VMExecutable
     kind: GraphKind
     config: dict
+    dtype: torch.dtype  # the model's, which the caches carry
     fixed: dict[str, int] = field(default_factory=dict)  # static axes (the ONNX road)
 
     @classmethod
@@ -187,14 +230,22 @@ class TvmModel:
     ) -> TvmModel:
         """Compile ``model``'s graph of ``kind`` (see :func:`relax_module`)."""
         mod = relax_module(model, kind, source, fixed=fixed)
-        return cls(compile_relax(mod), kind, model.config.to_dict(), dict(fixed or {}))
+        dtype = model.lm_head.weight.dtype
+        return cls(compile_relax(mod), kind, model.config.to_dict(), dtype, dict(fixed or {}))
 
     def save(self, folder: str | Path) -> Path:
-        """Write ``model.so`` and ``glmport_export.json`` (graph kind, config, fixed axes)."""
+        """Write ``model.so`` and ``glmport_export.json`` (graph kind, config, dtype,
+        fixed axes)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.executable.export_library(str(folder / _LIBRARY))
-        meta = {"graph": self.kind, "config": self.config, "fixed": self.fixed, "library": _LIBRARY}
+        meta = {
+            "graph": self.kind,
+            "config": self.config,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "fixed": self.fixed,
+            "library": _LIBRARY,
+        }
         (folder / _META).write_text(json.dumps(meta, indent=1))
         return folder
 
@@ -202,13 +253,21 @@ class TvmModel:
     def load(cls, folder: str | Path) -> TvmModel:
         folder = Path(folder)
         meta = json.loads((folder / _META).read_text())
+        lacking = [k for k in ("graph", "config", "dtype", "fixed", "library") if k not in meta]
+        if lacking:
+            raise ConfigError(
+                f"{folder / _META} lacks {', '.join(lacking)}: written by an older glmport? "
+                "Export the model again"
+            )
         library = tvm.runtime.load_module(str(folder / meta["library"]))
-        return cls(library, meta["graph"], meta["config"], meta["fixed"])
+        dtype = getattr(torch, meta["dtype"])
+        return cls(library, meta["graph"], meta["config"], dtype, meta["fixed"])
 
     def __post_init__(self) -> None:
         # One VM for every run: building one costs ~1.6 ms, a third of a tiny decode step.
         self._main = relax.VirtualMachine(self.executable, tvm.cpu())["main"]
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        check_graph_inputs(self.kind, self.config, self.dtype, inputs, self.fixed)
         out = self._main(*(to_tvm(t) for t in inputs))
         return tuple(from_tvm(o) for o in out)

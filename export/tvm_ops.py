@@ -20,6 +20,7 @@ inside functions only: importing this module does not import it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,36 @@ class _Graph:
         infinite fill value)."""
         return self(self.op.subtract(self.op.zeros(shape, "float32"), self.const(float("inf"))))
 
+    def sum(self, x: Any, axis: int, keepdims: bool = False) -> Any:
+        return self._over(x, axis, self.op.sum(x, axis=axis, keepdims=keepdims), 0)
+
+    def max(self, x: Any, axis: int, keepdims: bool = False) -> Any:
+        return self._over(x, axis, self.op.max(x, axis=axis, keepdims=keepdims), _NEG_INF)
+
+    def mean(self, x: Any, axis: int, keepdims: bool = False) -> Any:
+        return self._over(x, axis, self.op.mean(x, axis=axis, keepdims=keepdims), math.nan)
+
+    def matmul(self, a: Any, b: Any, out_dtype: str | None = None) -> Any:
+        """``a @ b`` (``a`` a bound variable: its last axis is the one summed over)."""
+        return self._over(a, -1, self.op.matmul(a, b, out_dtype=out_dtype), 0)
+
+    def _over(self, x: Any, axis: int, reduction: Any, neutral: float) -> Any:
+        """``reduction`` of ``x`` over ``axis``, emitted; ``neutral`` where that axis is
+        empty. TVM 0.27's lowered reductions initialise their output inside the loop
+        over the reduced axis, so over no element they return uninitialised memory. An
+        axis of a fixed nonzero size needs no select."""
+        from tvm import tirx
+
+        result = self(reduction)
+        extent = self.shape(x)[axis]
+        if isinstance(extent, tirx.IntImm) and extent.value != 0:
+            return result
+        empty = self(self.op.equal(self.op.reshape(self.dim(extent), []), self.const(0, "int64")))
+        dtype = self.dtype(result)
+        if dtype.startswith("int") and math.isinf(neutral):  # an integer max: its lowest value
+            neutral = -(2 ** (int(dtype.removeprefix("int")) - 1))
+        return self(self.op.where(empty, self.const(neutral, dtype), result))
+
     def f32(self, x: Any) -> Any:
         return x if self.dtype(x) == "float32" else self(self.op.astype(x, "float32"))
 
@@ -121,13 +152,13 @@ def _scores(g: _Graph, q, k, weights, k_start, k_end, q_scale, k_scale):
     clamped ``[T]`` ranges."""
     op = g.op
     t, n = g.shape(q)[0], g.shape(k)[0]
-    dots = g(op.matmul(g.f32(q), g(op.permute_dims(g.f32(k)))))  # [T, Hi, N]
+    dots = g.matmul(g.f32(q), g(op.permute_dims(g.f32(k))))  # [T, Hi, N]
     if q_scale is not None:
         dots = g(op.multiply(g(op.multiply(dots, op.expand_dims(q_scale, 2))), k_scale))
     # relu that keeps NaN (a dot product whose terms overflowed to +inf and -inf):
     # TVM's relu is max(x, 0), which turns it into a silent 0.
     relu = g(op.where(op.less(dots, g.const(0.0)), g.const(0.0), dots))
-    scores = g(op.reshape(op.matmul(g(op.expand_dims(weights, 1)), relu), [t, n]))
+    scores = g(op.reshape(g.matmul(g(op.expand_dims(weights, 1)), relu), [t, n]))
     start, end = _clamped_ranges(g, k_start, k_end, n)
     slots = g(op.expand_dims(op.arange(0, n, 1, "int64"), 0))
     valid = g(
@@ -172,10 +203,10 @@ def _softmax_with_lse(g: _Graph, s: Any) -> tuple[Any, Any]:
     """Row softmax over the last axis and its lse (keepdims); an all ``-inf`` row gives
     ``p = 0`` and ``lse = -inf`` (``backends/cpu/attention.py``)."""
     op = g.op
-    m = g(op.max(s, axis=-1, keepdims=True))
+    m = g.max(s, -1, keepdims=True)
     m = g(op.where(op.isfinite(m), m, g.const(0.0)))
     e = g(op.exp(op.subtract(s, m)))
-    total = g(op.sum(e, axis=-1, keepdims=True))
+    total = g.sum(e, -1, keepdims=True)
     p = g(op.divide(e, op.where(op.greater(total, g.const(0.0)), total, g.const(1.0))))
     return p, g(op.add(m, op.log(total)))
 
@@ -194,11 +225,11 @@ def sparse_attention(g: _Graph, q, k, v, indices, scale):
     kg = g.f32(g(op.take(k, slots, axis=0)))  # [T, K, Hkv, Dk]: gather, then upcast
     vg = g.f32(g(op.take(v, slots, axis=0)))
     qg = g(op.reshape(g.f32(q), [t, hkv, h // hkv, dk]))
-    s = g(op.matmul(qg, op.permute_dims(kg, [0, 2, 3, 1])))  # [T, Hkv, G, K]
+    s = g.matmul(qg, g(op.permute_dims(kg, [0, 2, 3, 1])))  # [T, Hkv, G, K]
     s = g(op.multiply(s, g.const(scale)))
     s = g(op.where(op.expand_dims(valid, [1, 2]), s, g.const(_NEG_INF)))
     p, lse = _softmax_with_lse(g, s)
-    out = g(op.matmul(p, op.permute_dims(vg, [0, 2, 1, 3])))  # [T, Hkv, G, Dv]
+    out = g.matmul(p, g(op.permute_dims(vg, [0, 2, 1, 3])))  # [T, Hkv, G, Dv]
     out = g(op.astype(op.reshape(out, [t, h, dv]), g.dtype(q)))
     return out, g(op.reshape(lse, [t, h]))
 
@@ -227,23 +258,23 @@ def moe_gate(
         t, e = g.shape(choice)
         per_group = g(op.reshape(choice, [t, n_group, e // n_group]))
         if bias is None:
-            group_score = g(op.max(per_group, axis=-1))
+            group_score = g.max(per_group, -1)
         else:  # the sum of the best two; a -inf column stands in for a missing second
             pad = g.neg_inf([t, n_group, 1])
             padded = g(op.concat([per_group, pad], axis=2))
             two = g(op.topk(padded, k=2, axis=2, ret_type="values"))
             two = g(op.where(op.isinf(two), g.const(0.0), two))
-            group_score = g(op.sum(two, axis=-1))
+            group_score = g.sum(two, -1)
         kept = g(op.topk(group_score, k=topk_group, axis=1, ret_type="indices", dtype="int64"))
         groups = g(op.reshape(op.arange(0, n_group, 1, "int64"), [1, 1, n_group]))
         hit = g(op.astype(op.equal(op.expand_dims(kept, 2), groups), "int32"))
-        keep = g(op.greater(op.max(hit, axis=1), g.const(0, "int32")))  # [T, G]
+        keep = g(op.greater(g.max(hit, 1), g.const(0, "int32")))  # [T, G]
         masked = g(op.where(op.expand_dims(keep, 2), per_group, g.const(_NEG_INF)))
         choice = g(op.reshape(masked, [t, e]))
     ids = g(op.topk(choice, k=top_k, axis=1, ret_type="indices", dtype="int64"))
     weights = g(op.gather_elements(scores, ids, axis=1))
     if norm_topk_prob:
-        total = g(op.add(op.sum(weights, axis=-1, keepdims=True), g.const(1e-20)))
+        total = g(op.add(g.sum(weights, -1, keepdims=True), g.const(1e-20)))
         weights = g(op.divide(weights, total))
     weights = g(op.multiply(weights, g.const(routed_scaling_factor)))
     return weights, g(op.astype(ids, "int32"))
@@ -271,7 +302,7 @@ def moe_dispatch(g: _Graph, x, ids, num_experts):
     src_row = g(op.argsort(unique, axis=0, dtype="int64"))
     experts = g(op.expand_dims(op.arange(0, num_experts + 1, 1, "int64"), 1))
     below = g(op.astype(op.less(op.expand_dims(key, 0), experts), "int32"))  # [E+1, T*k]
-    offsets = g(op.sum(below, axis=1))  # offsets[e] = copies with key < e
+    offsets = g.sum(below, 1)  # offsets[e] = copies with key < e
     x_sorted = g(op.take(x, op.take(_token_of_row(g, t, k), src_row, axis=0), axis=0))
     return x_sorted, offsets, g(op.astype(src_row, "int32"))
 
@@ -317,9 +348,9 @@ def grouped_gemm(
     # Running maximum as a masked max over the prefix (E is small).
     pos = g(op.arange(0, e1, 1, "int64"))
     prefix = g(op.less_equal(op.expand_dims(pos, 0), op.expand_dims(pos, 1)))  # [E+1, E+1]
-    bounds = g(op.max(op.where(prefix, op.expand_dims(off, 0), zero), axis=1))
+    bounds = g.max(g(op.where(prefix, op.expand_dims(off, 0), zero)), 1)
     row = g(op.expand_dims(op.arange(0, m, 1, "int64"), 1))
-    started = g(op.sum(op.astype(op.less_equal(op.expand_dims(bounds, 0), row), "int64"), axis=1))
+    started = g.sum(g(op.astype(op.less_equal(op.expand_dims(bounds, 0), row), "int64")), 1)
     owner = g(op.subtract(started, g.const(1, "int64")))  # [M]; -1 or E: no expert
     owned = g(op.logical_and(op.greater_equal(owner, zero), op.less(owner, g.dim(e))))
     w_rows = g(op.take(w, owner, axis=0, mode="clip"))  # [M, N, K']: each row's weight
@@ -345,7 +376,7 @@ def _quant_groups(g: _Graph, xf: Any, qmax: int, group: int | None) -> tuple[Any
     op = g.op
     r, c = g.shape(xf)
     groups = g(op.reshape(xf, [r, 1, c] if group is None else [r, c // group, group]))
-    amax = g(op.max(op.abs(groups), axis=2, keepdims=True))
+    amax = g.max(g(op.abs(groups)), 2, keepdims=True)
     scale = g(op.divide(op.maximum(amax, g.const(INT_AMAX_FLOOR)), g.const(float(qmax))))
     q = g(op.round(op.divide(groups, scale)))
     return g.clamp(q, g.const(-float(qmax)), g.const(float(qmax))), scale
@@ -401,9 +432,13 @@ def _batched_gemm(g: _Graph, x, w, w_scale, scheme: str, group_size: int) -> Any
     b, mb, k = g.shape(x)
     n = g.shape(w)[1]
     tokens = g(op.reshape(g.f32(x), [b * mb, k]))
+
+    def float_gemm(wf: Any) -> Any:  # the tokens times a float weight [B, N, K]
+        return g.matmul(g(op.reshape(tokens, [b, mb, k])), g(op.permute_dims(wf, [0, 2, 1])))
+
     if scheme == FLOAT_WEIGHT:
         wf = g.f32(w)
-        return g(op.matmul(g(op.reshape(tokens, [b, mb, k])), op.permute_dims(wf, [0, 2, 1])))
+        return float_gemm(wf)
     s = SCHEMES[scheme]
     if w_scale is None or s.activation is None:  # QAT fake-quant, or W4A16
         if w_scale is None:
@@ -416,7 +451,7 @@ def _batched_gemm(g: _Graph, x, w, w_scale, scheme: str, group_size: int) -> Any
             wv = g(op.reshape(wv, [b, n, groups, k // groups]))
             wf = g(op.multiply(wv, op.expand_dims(w_scale, 3)))
         wf = g(op.reshape(wf, [b, n, k]))
-        return g(op.matmul(g(op.reshape(tokens, [b, mb, k])), op.permute_dims(wf, [0, 2, 1])))
+        return float_gemm(wf)
     q, sx = _quant_groups(g, tokens, INT8_MAX, None)  # per-token int8
     qw = _unpack_int4(g, w) if s.weight.storage == torch.uint8 else g(op.astype(w, "int32"))
     groups = g.shape(w_scale)[2] if len(g.shape(w_scale)) == 3 else 1
@@ -424,8 +459,8 @@ def _batched_gemm(g: _Graph, x, w, w_scale, scheme: str, group_size: int) -> Any
     gs = k // groups
     qx = g(op.permute_dims(op.reshape(op.astype(q, "int32"), [b, mb, groups, gs]), [0, 2, 1, 3]))
     qw = g(op.permute_dims(op.reshape(qw, [b, n, groups, gs]), [0, 2, 3, 1]))  # [B, G, g, N]
-    partial = g(op.astype(op.matmul(qx, qw, out_dtype="int32"), "float32"))  # [B, G, Mb, N]
-    y = g(op.sum(op.multiply(partial, op.expand_dims(op.permute_dims(sw, [0, 2, 1]), 2)), axis=1))
+    partial = g(op.astype(g.matmul(qx, qw, out_dtype="int32"), "float32"))  # [B, G, Mb, N]
+    y = g.sum(g(op.multiply(partial, op.expand_dims(op.permute_dims(sw, [0, 2, 1]), 2))), 1)
     return g(op.multiply(y, op.reshape(sx, [b, mb, 1])))
 
 
@@ -449,9 +484,9 @@ def rms_norm(g: _Graph, x, weight, eps=1e-6):
     """x's shape and dtype; rows beyond 1 are divided by their max first (no overflow)."""
     op = g.op
     xf = g.f32(x)
-    s = g(op.maximum(op.max(op.abs(xf), axis=-1, keepdims=True), g.const(1.0)))
+    s = g(op.maximum(g.max(g(op.abs(xf)), -1, keepdims=True), g.const(1.0)))
     xs = g(op.divide(xf, s))
-    mean = g(op.mean(op.multiply(xs, xs), axis=-1, keepdims=True))
+    mean = g.mean(g(op.multiply(xs, xs)), -1, keepdims=True)
     inv = g(op.rsqrt(op.add(mean, op.divide(g.const(eps), op.multiply(s, s)))))
     return g(op.astype(op.multiply(op.multiply(xs, inv), g.f32(weight)), g.dtype(x)))
 
@@ -473,24 +508,29 @@ def rope(g: _Graph, x, cos, sin, interleaved=True):
 
 
 def token_logprobs(g: _Graph, hidden, lm_head, targets, temperature=1.0):
-    """logp ``[T]`` fp32 (NaN for a target outside ``[0, V)``), entropy ``[T]`` fp32."""
+    """logp ``[T]`` fp32 (NaN for a target outside ``[0, V)``), entropy ``[T]`` fp32 (both
+    NaN when ``V = 0``)."""
     op = g.op
     t, v = g.shape(hidden)[0], g.shape(lm_head)[0]
-    logits = g(op.matmul(g.f32(hidden), op.permute_dims(g.f32(lm_head))))
+    logits = g.matmul(g.f32(hidden), g(op.permute_dims(g.f32(lm_head))))
     logits = g(op.divide(logits, g.const(temperature)))
-    z = g(op.subtract(logits, op.max(logits, axis=1, keepdims=True)))
+    z = g(op.subtract(logits, g.max(logits, 1, keepdims=True)))
     # Sums over the vocabulary accumulate in float64: a float32 running sum over V terms
     # (TVM's reduction is sequential) loses ~sqrt(V) ulps.
-    total = op.sum(op.astype(op.exp(z), "float64"), axis=1, keepdims=True)
+    total = g.sum(g(op.astype(op.exp(z), "float64")), 1, keepdims=True)
     logp_all = g(op.subtract(z, op.astype(op.log(total), "float32")))
+    nan = g.const(math.nan)
+    # A NaN column V: a target outside [0, V) picks it (also when V = 0: no read past
+    # the end).
+    padded = g(op.concat([logp_all, op.broadcast_to(nan, [t, 1])], axis=1))
     tgt = g.i64(targets)
     valid = g(op.logical_and(op.greater_equal(tgt, g.const(0, "int64")), op.less(tgt, g.dim(v))))
-    safe = g(op.expand_dims(op.where(valid, tgt, g.const(0, "int64")), 1))
-    picked = g(op.reshape(op.gather_elements(logp_all, safe, axis=1), [t]))
-    logp = g(op.where(valid, picked, g.const(float("nan"))))
-    terms = op.astype(op.multiply(op.exp(logp_all), logp_all), "float64")
-    entropy = g(op.astype(op.negative(op.sum(terms, axis=1)), "float32"))
-    return logp, entropy
+    pick = g(op.expand_dims(op.where(valid, tgt, g.dim(v)), 1))
+    logp = g(op.reshape(op.gather_elements(padded, pick, axis=1), [t]))
+    terms = g(op.astype(op.multiply(op.exp(logp_all), logp_all), "float64"))
+    entropy = g(op.astype(op.negative(g.sum(terms, 1)), "float32"))
+    no_vocab = g(op.equal(op.reshape(g.dim(v), []), g.const(0, "int64")))
+    return logp, g(op.where(no_vocab, nan, entropy))  # nothing to normalise: NaN
 
 
 EMITTERS: dict[str, Callable[..., Any]] = {

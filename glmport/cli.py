@@ -81,21 +81,23 @@ def _integer(low: int, high: int, why: str = "", *, shown: str = "") -> Callable
     return parse
 
 
-def _real(low: float, why: str) -> Callable[[str], float]:
-    """An argparse type: a finite number above ``low``, or one error line saying ``why``."""
+def _real(low: float, why: str, *, inclusive: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``low`` (at least ``low`` if
+    ``inclusive``), or one error line saying ``why``."""
+    bound = f"{'>=' if inclusive else 'above'} {low:g}"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and value > low):
+        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
             raise argparse.ArgumentTypeError(
-                f"expected a finite number above {low:g} ({why}), got {text!r}"
+                f"expected a finite number {bound} ({why}), got {text!r}"
             )
         return value
 
-    parse.low = low
+    parse.low, parse.inclusive = low, inclusive
     return parse
 
 
@@ -934,11 +936,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     _check_environment()
     _require_export_extra()
-    _check_out(args.out, "--out", folder=args.target == "tvm")
-    model = _load_model(args.model, args.dtype)
     kind = "decode" if args.decode else "prefill"
+    _check_out(args.out, "--out", folder=args.target == "tvm")
+    fixed = _fixed_axes(args, kind) if args.target == "tvm" else None
+    model = _load_model(args.model, args.dtype)
+    if fixed and "seq" in fixed:
+        _fits_model(model, "--seq", fixed["seq"])
+    if fixed and "past" in fixed:
+        _fits_model(model, f"--past {fixed['past']} (+ the new token)", fixed["past"] + 1)
     start = time.perf_counter()
-    fixed = None
     with _select(args.backend, "--backend"):
         if args.target == "onnx":
             from glmport.export.onnx_model import OnnxRuntimeModel, export_onnx, save_onnx
@@ -949,7 +955,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else:
             from glmport.export.tvm_model import TvmModel
 
-            fixed = _fixed_axes(args, kind)
             compiled = TvmModel.build(model, kind, source=args.source, fixed=fixed)
             path = compiled.save(args.out)
             shapes = f", fixed {fixed}" if fixed else ""
@@ -979,6 +984,11 @@ def _require_export_extra() -> None:
     from glmport.core.extras import require
 
     require("glmport export", "onnx", "onnxruntime", "onnxscript", "tvm")
+
+
+# ``export tvm --from onnx --batch``: one compiled call's sequences; the check after the
+# export runs the eager model on that many.
+_MAX_FIXED_BATCH = 1024
 
 
 def _fixed_axes(args: argparse.Namespace, kind: str) -> dict[str, int] | None:
@@ -1212,7 +1222,12 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
         t.add_argument("--backend", default=None, help="backend of the eager reference run")
         t.add_argument("--no-check", action="store_true", help="skip the check against torch")
-        t.add_argument("--tolerance", type=float, default=1e-4, help="max |logits - torch|")
+        t.add_argument(
+            "--tolerance",
+            type=_real(0, "NaN or a negative bound would pass or fail every check", inclusive=True),
+            default=1e-4,
+            help="max |logits - torch|: a finite number >= 0",
+        )
         t.set_defaults(func=_cmd_export)
     targets.choices["onnx"].add_argument(
         "--inline", action="store_true", help="standard ops only (no ai.glmport nodes)"
@@ -1225,9 +1240,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.export -> Relax (default, dynamic axes), or the inlined ONNX export -> "
         "Relax (fixed axes: give --batch and --seq, or --batch and --past with --decode)",
     )
-    for axis in ("batch", "seq", "past"):
+    for axis, size, limit in (
+        ("batch", _integer(1, _MAX_FIXED_BATCH, "sequences"), f"1 to {_MAX_FIXED_BATCH}"),
+        ("seq", _integer(1, MAX_TOKENS, "tokens"), "1 to the model's max_position_embeddings"),
+        ("past", _integer(1, MAX_TOKENS, "tokens"), "1 to max_position_embeddings - 1"),
+    ):
         targets.choices["tvm"].add_argument(
-            f"--{axis}", type=int, default=None, help=f"fixed {axis} size (--from onnx)"
+            f"--{axis}", type=size, default=None, help=f"fixed {axis} size (--from onnx): {limit}"
         )
 
     rl = sub.add_parser("rl", help="GLM-5's RL post-training on toy verifiable tasks")

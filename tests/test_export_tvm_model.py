@@ -13,6 +13,8 @@ import glmport.cli
 from glmport.conformance.model_case import run_model_check
 from glmport.core.errors import ConfigError, UnsupportedError
 from glmport.export.check import compare, sample_ids
+from glmport.export.graph import GraphInputError
+from glmport.export.tvm_backend import to_tvm
 from glmport.export.tvm_model import TvmModel
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.quantize import quantize_model
@@ -46,6 +48,13 @@ def test_tvm_from_the_onnx_export_matches_torch_at_its_fixed_shape(model):
     built = TvmModel.build(model, "prefill", source="onnx", fixed={"batch": 2, "seq": 9})
     found = compare(model, built.run, "prefill", batch=2, prompt=9)
     assert found.max_abs <= TOLERANCE, found
+    # Another shape is refused by name, a bad id by the graph's own assert as well.
+    with pytest.raises(GraphInputError, match="'input_ids' must be batch 2, the fixed axis"):
+        built.run(sample_ids(model, 3, 9))
+    bad = sample_ids(model, 2, 9)
+    bad[1, 4] = -1
+    with pytest.raises(AssertionError, match=r"glmport guard: input_ids in \[0, 128\)"):
+        built._main(to_tvm(bad))
 
 
 def test_a_bf16_model_is_refused_with_tvms_reason():

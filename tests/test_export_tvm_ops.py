@@ -2,7 +2,7 @@
 conformance value cases judged against the float64 reference, a torch.export program
 of several ops imported with ``custom_convert_map`` and run in the Relax VM against
 eager torch, float8 reported unsupported, symbolic sizes sharing one compiled module,
-and glmport never importing tvm by itself."""
+empty reduced axes, and glmport never importing tvm by itself."""
 
 from __future__ import annotations
 
@@ -86,6 +86,50 @@ def test_symbolic_sizes_share_one_compiled_module_and_views_cross():
         assert got.dtype == torch.bfloat16 and got.shape == x.shape
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert len(COMPILED) == before + 1
+
+
+def _i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# Valid calls with a reduced axis of size 0 under a nonempty output, or a 0-size tensor
+# whose torch strides are not compact (each with its closed-form result). TVM's lowered
+# reductions initialise their output inside the loop over the reduced axis, so these
+# returned uninitialised memory (or crashed) until the emitters selected the neutral value.
+EMPTY_AXIS_CASES = {
+    "moe_dispatch: no token, offsets 0": (
+        lambda: ops.moe_dispatch(torch.randn(0, 5), torch.zeros(0, 2, dtype=torch.long), 3)[1],
+        lambda: _i32(0, 0, 0, 0),
+    ),
+    "moe_dispatch: rows of 0 columns": (
+        lambda: ops.moe_dispatch(torch.randn(3, 0), torch.tensor([[0, 1], [1, 1], [0, 0]]), 2)[2],
+        lambda: _i32(0, 4, 5, 1, 2, 3),
+    ),
+    "sparse_attention: no slot per query": (
+        lambda: ops.sparse_attention(
+            torch.randn(3, 2, 4), torch.randn(5, 1, 4), torch.randn(5, 1, 3), _i32().view(3, 0), 0.5
+        ),
+        lambda: (torch.zeros(3, 2, 3), torch.full((3, 2), float("-inf"))),
+    ),
+    "indexer_logits: head dim 0": (
+        lambda: ops.indexer_logits(
+            torch.randn(2, 3, 0), torch.randn(4, 0), torch.rand(2, 3), _i32(0, 1), _i32(3, 4)
+        ),
+        lambda: torch.tensor([[0.0, 0.0, 0.0, float("-inf")], [float("-inf"), 0.0, 0.0, 0.0]]),
+    ),
+    "grouped_gemm: K = 0": (
+        lambda: ops.grouped_gemm(torch.randn(3, 0), torch.randn(2, 4, 0), _i32(0, 1, 3)),
+        lambda: torch.zeros(3, 4),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EMPTY_AXIS_CASES)
+def test_reductions_over_an_empty_axis_give_the_neutral_value(case):
+    call, expected = EMPTY_AXIS_CASES[case]
+    with glmport.use_backend("tvm"):
+        got = call()
+    torch.testing.assert_close(got, expected(), rtol=0, atol=0)
 
 
 class _Block(torch.nn.Module):

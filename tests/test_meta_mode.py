@@ -1,8 +1,9 @@
 """Out-of-range index values under ``GLMPORT_VALIDATE=meta``: the value checks are
-skipped, so the values reach the kernels, and the cpu and generic backends must give
-the results docs/ops.md documents ("What a kernel may assume under
-GLMPORT_VALIDATE=meta") instead of an IndexError or an out-of-bounds read. Every
-expectation is a float64 formula or loop written here."""
+skipped, so the values reach the kernels, and the cpu and generic backends, and the
+exported ops (onnxruntime, tvm: each op exported alone), must give the results
+docs/ops.md documents ("What a kernel may assume under GLMPORT_VALIDATE=meta") instead
+of an IndexError, a runtime's error or an out-of-bounds read. Every expectation is a
+float64 formula or loop written here."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import glmport
 from glmport.core.selection import clear_cache
 
 ops = glmport.ops
-BACKENDS = ["cpu", "generic"]
+BACKENDS = ["cpu", "generic", "onnxruntime", "tvm"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -249,6 +250,14 @@ def test_grouped_gemm_offsets_become_a_partition_of_the_rows(backend, offsets):
     with glmport.use_backend(backend):
         y = ops.grouped_gemm(x, w, torch.tensor(offsets, dtype=torch.int32))
     np.testing.assert_allclose(y.double().numpy(), ref_grouped(x, w, offsets), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_gemm_without_experts_gives_zero_rows(backend):
+    x, w = randn(4, 5, seed=21), torch.zeros(0, 3, 5)
+    with glmport.use_backend(backend):
+        y = ops.grouped_gemm(x, w, torch.tensor([2], dtype=torch.int32))
+    assert torch.equal(y, torch.zeros(4, 3))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
