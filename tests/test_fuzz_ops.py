@@ -199,6 +199,7 @@ def _scale_of(d: Draw, dtype: torch.dtype) -> float:
 
 RMS_EDGES = (
     "edge:empty",
+    "edge:D=0",
     "edge:D=1",
     "edge:huge",
     "edge:tiny",
@@ -221,7 +222,7 @@ def build_rms_norm(d: Draw) -> Call:
     lead = [d.int(1, 4) for _ in range(d.int(0, 2))]
     if d.is_("edge:empty"):
         lead = [0, *lead]
-    dim = 1 if d.is_("edge:D=1") else d.int(1, 24)
+    dim = 0 if d.is_("edge:D=0") else 1 if d.is_("edge:D=1") else d.int(1, 24)
     x = d.randn(*lead, dim, dtype=dtype, scale=_scale_of(d, dtype))
     weight = d.randn(dim, dtype=d.pick(FLOATS))
     eps = d.pick((1e-30, 1e4)) if d.is_("edge:eps_extreme") else d.pick((1e-6, 1e-5))

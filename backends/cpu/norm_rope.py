@@ -13,6 +13,8 @@ def rms_norm(x, weight, eps=1e-6):
     # of finite fp32 values beyond ~1e19 overflows, then rsqrt gives 0. Since
     # x * rsqrt(mean(x^2) + eps) = (x/s) * rsqrt(mean((x/s)^2) + eps/s^2), the result
     # is unchanged; s = 1 (no scaling) keeps small rows exact, where eps/s^2 could overflow.
+    if x.shape[-1] == 0:  # no features (amax has nothing to reduce): nothing to scale
+        return xf.to(out_dtype(x.dtype))
     s = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
     xs = xf / s
     inv = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps / s.pow(2))
