@@ -81,23 +81,22 @@ def _integer(low: int, high: int, why: str = "", *, shown: str = "") -> Callable
     return parse
 
 
-def _real(low: float, why: str, *, inclusive: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number above ``low`` (at least ``low`` if
-    ``inclusive``), or one error line saying ``why``."""
-    bound = f"{'>=' if inclusive else 'above'} {low:g}"
+def _real(low: float, why: str) -> Callable[[str], float]:
+    """An argparse type: a finite number of at least ``low``, or one error line saying
+    ``why``. The bound stays readable on it (``.low``) for help and tests."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+        if not (math.isfinite(value) and value >= low):
             raise argparse.ArgumentTypeError(
-                f"expected a finite number {bound} ({why}), got {text!r}"
+                f"expected a finite number >= {low:g} ({why}), got {text!r}"
             )
         return value
 
-    parse.low, parse.inclusive = low, inclusive
+    parse.low = low
     return parse
 
 
@@ -542,8 +541,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
         if value is not None
     }
-    if args.greedy and sampling:
-        raise ConfigError(f"--greedy cannot be combined with {', '.join(sampling)}")
+    for flag, given in (("--greedy", args.greedy), ("--speculative", args.speculative)):
+        if given and sampling:  # speculative decoding accepts the greedy choice only
+            raise ConfigError(f"{flag} cannot be combined with {', '.join(sampling)}")
     params = check_sampling(
         greedy=not sampling,
         temperature=1.0 if args.temperature is None else args.temperature,
@@ -1150,11 +1150,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     gen.add_argument(
         "--temperature",
-        type=_real(0, "sampling; leave out the sampling flags, or pass --greedy, for argmax"),
+        type=float,  # its range is check_sampling's, the one check for every caller
         default=None,
     )
     gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-k", type=_integer(0, MAX_TOKENS, "0: off"), default=None)
     gen.add_argument("--seed", type=_seed, default=None, help="-2**63 to 2**64-1")
     gen.add_argument("--speculative", action="store_true", help="greedy MTP speculative decoding")
     gen.add_argument("--stop-tokens", default=None, help="token ids that end generation, e.g. 1,2")
@@ -1224,7 +1224,7 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--no-check", action="store_true", help="skip the check against torch")
         t.add_argument(
             "--tolerance",
-            type=_real(0, "NaN or a negative bound would pass or fail every check", inclusive=True),
+            type=_real(0, "NaN or a negative bound would pass or fail every check"),
             default=1e-4,
             help="max |logits - torch|: a finite number >= 0",
         )

@@ -72,7 +72,12 @@ def _flags(command: list[str]) -> dict[str, object]:
 
 # Sampling parameters are checked by generate() and the gateway (their representable
 # range is theirs to define); every other number these commands take is bounded here.
-_SAMPLING = {("generate", "--top-p"), ("generate", "--top-k"), ("rl agent", "--temperature")}
+_SAMPLING = {
+    ("generate", "--temperature"),
+    ("generate", "--top-p"),
+    ("rl agent", "--temperature"),
+    ("rl train", "--temperature"),
+}
 _COMMANDS = ["info", "conformance", "diff", "generate", "indexcache search", "rl serve", "rl agent"]
 
 

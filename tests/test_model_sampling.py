@@ -267,7 +267,6 @@ def test_a_backend_log_prob_above_zero_or_nan_is_never_reported(model, monkeypat
         (["--temperature", "inf"], "--temperature"),
         (["--temperature", "nan"], "--temperature"),
         (["--top-p", "0"], "--top-p"),
-        (["--top-k", "-1"], "--top-k"),
     ],
 )
 def test_cli_generate_refuses_out_of_range_sampling_in_one_line(capsys, extra, flag):
@@ -276,6 +275,14 @@ def test_cli_generate_refuses_out_of_range_sampling_in_one_line(capsys, extra, f
     err = capsys.readouterr().err
     assert err.startswith(f"glmport: error: {flag} must be ") and err.count("\n") == 1, err
     assert "greedy=True" not in err  # the Python spelling is not the CLI's
+
+
+@pytest.mark.parametrize("extra", [["--temperature", "0.5"], ["--top-k", "3"], ["--seed", "1"]])
+def test_cli_generate_speculative_refuses_sampling_flags_in_one_line(capsys, extra):
+    args = ["generate", "--model", "tiny", "--input-ids", "1,2", "--max-new-tokens", "2"]
+    assert main([*args, "--speculative", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err == f"glmport: error: --speculative cannot be combined with {extra[0]}\n", err
 
 
 def test_cli_generate_top_p_near_zero_is_greedy(capsys):
