@@ -15,7 +15,14 @@ from glmport.core.errors import ConfigError
 
 from .config import GlmMoeDsaConfig
 from .modeling import CausalLMOutput, Experts, GlmMoeDsaModel, Router, pack
-from .weights import atomic_folder, fuse_experts, read_tensors, save_tensors, split_experts
+from .weights import (
+    atomic_folder,
+    fuse_experts,
+    read_tensors,
+    recover_folder,
+    save_tensors,
+    split_experts,
+)
 
 log = logging.getLogger("glmport.model")
 IGNORE_INDEX = -100
@@ -126,6 +133,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         0``; any other missing or unexpected tensor is an error naming it.
         """
         path = Path(path)
+        recover_folder(path)  # a save killed while replacing it left its old version aside
         config = GlmMoeDsaConfig.from_json_file(path / "config.json")
         state = fuse_experts(dict(read_tensors(path)))
         mtp_prefix = f"model.layers.{config.num_hidden_layers}."
