@@ -290,7 +290,11 @@ def test_bad_async_settings_are_clear_errors(changes, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--ray-address", "auto"], "--ray-address / --worker-threads need --mode async"),
+        (["--ray-address", "auto"], "--ray-address: options of --mode async (this run: sync)"),
+        (["--max-staleness", "4"], "--max-staleness: options of --mode async"),
+        (["--rollout-workers", "3", "--publish-every", "1"], "--rollout-workers, --publish-every"),
+        (["--mode", "async", "--worker-threads", "100000"], "worker_threads must be an int <="),
+        (["--mode", "async", "--rollout-workers", "1000000"], "rollout_workers must be an int <="),
         (["--mode", "async", "--async-loss", "ppo"], "invalid choice: 'ppo'"),
     ],
 )
