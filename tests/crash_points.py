@@ -32,10 +32,12 @@ class Operations:
     seen: list[tuple[str, str]] = field(default_factory=list)
 
     def index(self, name: str, needle: str, start: int = 0) -> int:
-        """The number of the first ``name`` operation from ``start`` on whose path
-        contains ``needle``."""
+        """The number of the first ``name`` operation from ``start`` on whose path's
+        last component contains ``needle``."""
         return next(
-            i for i, (n, arg) in enumerate(self.seen) if i >= start and n == name and needle in arg
+            i
+            for i, (n, arg) in enumerate(self.seen)
+            if i >= start and n == name and needle in Path(arg).name
         )
 
 

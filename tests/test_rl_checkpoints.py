@@ -19,6 +19,7 @@ appends the counts as JSON lines (docs/reliability.md quotes them).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -31,14 +32,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from crash_points import Killed, die_at
 from safetensors.torch import load_file, save_file
 
 from glmport.cli import main
 from glmport.core.errors import ConfigError
+from glmport.model import weights as weights_module
+from glmport.rl import trainer as trainer_module
 from glmport.rl.async_trainer import LEDGER, AsyncTrainer
+from glmport.rl.report import MetricsLog, rewrite_jsonl
 from glmport.rl.run import train
 from glmport.rl.staleness import GroupLedger
-from glmport.rl.trainer import RLConfig
+from glmport.rl.trainer import RLConfig, Trainer
 
 COUNTS: Counter = Counter()
 
@@ -407,7 +412,8 @@ def _async_damages() -> list[Damage]:
     out = []
 
     def add(name: str, change: Callable[[dict], None], field: str) -> None:
-        out.append(Damage(f"async:{name}", "async", _edit_state(change), "state.json", field))
+        damage = Damage(f"async:queue:{name}", "async", _edit_state(change), "state.json", field)
+        out.append(damage)
 
     section = ("async",)
     add("async:deleted", _at(section, None, delete=True), "async")
@@ -442,20 +448,24 @@ def _async_damages() -> list[Damage]:
     add(
         "pending:twice", lambda s: s["async"]["pending"].append(s["async"]["pending"][0]), "pending"
     )
-    out.append(Damage("async:ledger:missing", "async", _delete(LEDGER), LEDGER, "ledger_records"))
+    out.append(
+        Damage("async:queue:ledger-missing", "async", _delete(LEDGER), LEDGER, "ledger_records")
+    )
     out.append(
         Damage(
-            "async:ledger:garbage",
+            "async:queue:ledger-garbage",
             "async",
             _rewrite_bytes(LEDGER, lambda b: b"{cut"),
             LEDGER,
             "ledger",
         )
     )
-    out.append(Damage("async:ledger:linked-out", "async", _link_elsewhere(LEDGER), LEDGER, "link"))
+    out.append(
+        Damage("async:queue:ledger-linked-out", "async", _link_elsewhere(LEDGER), LEDGER, "link")
+    )
     out.append(
         Damage(
-            "async:mode=sync",
+            "async:state:mode=sync",
             "async",
             _edit_state(_at(("rl_config", "mode"), "sync")),
             "state.json",
@@ -464,7 +474,7 @@ def _async_damages() -> list[Damage]:
     )
     out.append(
         Damage(
-            "sync:mode=async",
+            "sync:state:mode=async",
             "sync",
             _edit_state(_at(("rl_config", "mode"), "async")),
             "state.json",
@@ -553,7 +563,7 @@ def test_the_generator_covers_every_file_and_field():
 def test_a_damaged_checkpoint_is_refused_naming_file_and_field(runs, tmp_path, damage):
     run = _damaged(runs, tmp_path, damage)
     result, message = outcome(run, damage)
-    COUNTS[(damage.name.split(":")[1], result)] += 1
+    COUNTS[(":".join(damage.name.split(":")[:2]), result)] += 1
     assert result == "refused", f"{result}: {message}"
 
 
@@ -579,3 +589,58 @@ def test_the_cli_refuses_a_damaged_checkpoint_in_one_line(runs, tmp_path, capsys
     assert err.startswith("glmport: error:") and err.count("\n") == 1, err
     assert damage.file in err and damage.field in err
     assert _digest(tmp_path) == before
+
+
+# -- a save killed at any point ---------------------------------------------------------------
+
+
+def test_a_trainer_save_killed_at_any_point_keeps_the_run(runs, tmp_path, monkeypatch):
+    """``Trainer.save`` killed before each of its filesystem changes (the policy's
+    nested save included): a fresh ``rl train`` into the folder is refused (the run is
+    still there), ``--resume`` continues from the old checkpoint or, once it was renamed
+    in, the new one, and the next save leaves no side folder."""
+
+    def resumed(run: Path) -> Trainer:
+        return Trainer.resume(run / CKPT, run)
+
+    probe = tmp_path / "probe"
+    shutil.copytree(runs["sync"], probe)
+    new = resumed(probe)
+    old_head = new.policy.lm_head.weight.detach().clone()
+    with torch.no_grad():
+        new.policy.lm_head.weight.add_(0.5)  # the new version: other weights
+    with monkeypatch.context() as m:
+        full = die_at(m, 10**9, weights_module, trainer_module)
+        new.save()
+    renamed_in = full.index("rename", f".{CKPT}.tmp-")
+    assert len(full.seen) >= 15
+    for k in range(len(full.seen) + 1):
+        run = tmp_path / f"kill{k}"
+        shutil.copytree(runs["sync"], run)
+        with monkeypatch.context() as m:
+            die_at(m, k, weights_module, trainer_module)
+            with contextlib.suppress(Killed):
+                new.save(run / CKPT)
+        with pytest.raises(ConfigError, match="already holds a run"):
+            train(_config(), run, progress=False)
+        back = resumed(run)
+        want = old_head + 0.5 if k > renamed_in else old_head
+        assert torch.equal(back.policy.lm_head.weight, want), k
+        back.save()
+        assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [], k
+
+
+def test_metrics_cut_back_on_resume_are_replaced_whole(tmp_path, monkeypatch):
+    """Rewriting ``metrics.jsonl`` (a resume drops the records past the checkpoint)
+    killed at any point leaves the old file or the new one, never a cut one."""
+    old = [{"step": s, "reward": 0.5} for s in range(1, 6)]
+    for k in range(3):
+        path = tmp_path / f"kill{k}" / "metrics.jsonl"
+        path.parent.mkdir()
+        rewrite_jsonl(path, old)
+        with monkeypatch.context() as m:
+            ops = die_at(m, k)
+            with contextlib.suppress(Killed):
+                rewrite_jsonl(path, old[:2])
+        assert [name for name, _ in ops.seen] == ["fsync", "replace"][: k + 1] or k == 2
+        assert MetricsLog.read(path) == (old[:2] if k == 2 else old)
