@@ -200,7 +200,7 @@ def checkpoint_plan(path: str | Path) -> list[tuple[Path, list[str]]]:
     and all its keys. Returns ``[(real file path, sorted keys)]``.
     """
     given = Path(path)
-    recover_folder(given)
+    recover_folder(given)  # a save killed while replacing it may have left it aside
     if not given.is_dir():
         raise _error(f"checkpoint folder {given} does not exist or is not a folder")
     folder = given.resolve()
@@ -373,7 +373,7 @@ def _recover_once(target: Path, held: contextlib.ExitStack, clean: bool) -> bool
     previous version aside (so it is missing for now)."""
     try:
         entries = sorted(target.parent.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # no parent, or one this process may not list: nothing to recover
         return False
     left: dict[str, list[Path]] = {"tmp": [], "old": []}
     busy = False
@@ -385,7 +385,7 @@ def _recover_once(target: Path, held: contextlib.ExitStack, clean: bool) -> bool
             continue
         try:
             free = held.enter_context(_locked(entry, wait=False))
-        except FileNotFoundError:  # its save finished with it meanwhile
+        except OSError:  # its save finished with it meanwhile, or it is not ours to open
             continue
         if free:
             left[side["kind"]].append(entry)

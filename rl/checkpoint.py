@@ -30,7 +30,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +38,9 @@ import glmport
 from glmport.core.errors import BackendUnavailableError, ConfigError, check_int
 from glmport.model import GlmMoeDsaForCausalLM
 from glmport.model.weights import contained_path, read_safetensors, recover_folder
+
+if TYPE_CHECKING:
+    from .trainer import RLConfig
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -64,7 +67,7 @@ class SavedState:
 
     folder: Path
     file: Path
-    config: Any  # RLConfig (imported lazily: trainer imports this module)
+    config: RLConfig
     step: int
     extra: dict
     data: dict
@@ -150,7 +153,7 @@ def read_json(file: Path, max_bytes: int = MAX_STATE_BYTES) -> object:
 def read_state(folder: str | Path) -> SavedState:
     """Read and check the ``state.json`` of the checkpoint in ``folder`` (nothing else
     is read)."""
-    from .trainer import RLConfig
+    from .trainer import RLConfig  # here: trainer imports this module
 
     real = checkpoint_folder(folder)
     file = member(real, STATE)
@@ -186,7 +189,9 @@ def read_state(folder: str | Path) -> SavedState:
     return SavedState(real, file, config, step, extra, data)
 
 
-def read_weights(saved: SavedState, policy: torch.nn.Module, optimizer) -> SavedWeights:
+def read_weights(
+    saved: SavedState, policy: GlmMoeDsaForCausalLM, optimizer: torch.optim.Optimizer
+) -> SavedWeights:
     """The policy's and the optimizer's state in ``saved``'s folder, checked against
     the trainer's fresh ``policy`` and Adam ``optimizer`` (nothing is loaded into
     them)."""
@@ -214,7 +219,9 @@ def read_weights(saved: SavedState, policy: torch.nn.Module, optimizer) -> Saved
     return SavedWeights(state, _read_optimizer(saved, policy, optimizer))
 
 
-def _read_optimizer(saved: SavedState, policy: torch.nn.Module, optimizer) -> dict:
+def _read_optimizer(
+    saved: SavedState, policy: GlmMoeDsaForCausalLM, optimizer: torch.optim.Optimizer
+) -> dict:
     """The Adam ``state_dict`` of the checkpoint, checked against the fresh
     ``optimizer`` over ``policy``'s parameters."""
     fresh = optimizer.state_dict()
