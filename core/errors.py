@@ -62,14 +62,19 @@ class UnknownBackendError(BackendUnavailableError):
         )
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
     """``value`` when it is an int (a bool is not: ``True`` as a count is a mistake, not
-    a 1) of at least ``minimum``; else a :class:`ConfigError` saying ``"<name> must be an
-    int >= <minimum>, got <value>"``."""
+    a 1) of at least ``minimum`` (and at most ``maximum`` when given); else a
+    :class:`ConfigError` saying ``"<name> must be an int >= <minimum>, got <value>"``
+    (``"... an int <= <maximum> ..."`` for a value too large)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(
             f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}"
         )
     if value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        # no repr of a huge int: past 4300 digits Python refuses to print one
+        got = repr(value) if value.bit_length() <= 64 else f"an int of {value.bit_length()} bits"
+        raise ConfigError(f"{name} must be an int <= {maximum}, got {got}")
     return value

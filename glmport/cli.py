@@ -31,6 +31,7 @@ from glmport.core.errors import ConfigError, GlmportError
 
 if TYPE_CHECKING:
     from glmport.model.indexcache import Evaluation, SearchStep
+    from glmport.rl.trainer import RLConfig
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # the shell's convention for a SIGINT
@@ -709,16 +710,61 @@ def _async_options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+# rl train's flags that set an RLConfig field (by their dest; the field has the same
+# name but for _FIELD_OF's). Each defaults to None, not given: a fresh run takes
+# RLConfig's default, a resumed one the run's own value.
+_RL_FLAGS = (
+    "task", "steps", "prompts", "group_size", "minibatches", "lr", "temperature",
+    "icepop_beta", "kl_coef", "kl_decay_steps", "normalize_std", "rollout_backend",
+    "train_backend", "rollout_dtype", "replay", "opd_teacher", "shuffle_rewards", "init",
+    "model", "seed", "checkpoint_every", "eval_every", "mode", "max_staleness",
+    "rollout_workers", "async_loss", "publish_every",
+)  # fmt: skip
+_FIELD_OF = {"prompts": "prompts_per_step", "digits": "task_args"}
+
+
+def _rl_settings(args: argparse.Namespace) -> dict:
+    """The RLConfig fields the command line gives (flags left out are absent)."""
+    given = {
+        _FIELD_OF.get(d, d): getattr(args, d) for d in _RL_FLAGS if getattr(args, d) is not None
+    }
+    if "icepop_beta" in given:
+        given["icepop_beta"] = given["icepop_beta"] or None  # 0: IcePop off
+    if "replay" in given:
+        given["replay"] = tuple(filter(None, given["replay"].split(",")))
+    if args.digits is not None:
+        given["task_args"] = {"digits": args.digits}
+    return given
+
+
+def _flag(field: str) -> str:
+    """The rl train flag that sets RLConfig ``field``."""
+    dest = next((d for d, f in _FIELD_OF.items() if f == field), field)
+    return "--" + dest.replace("_", "-")
+
+
+def _resume_changes(given: dict, saved: RLConfig) -> list[str]:
+    """The flags in ``given`` whose values differ from the resumed run's ``saved``
+    config (``--steps`` aside, which may change), as ``--flag VALUE (the run: V)``."""
+    from glmport.rl.tasks import make_task
+
+    changed = []
+    for field, value in given.items():
+        old = getattr(saved, field)
+        if field == "task_args":  # compare the tasks: {"digits": 3} is the default's {}
+            same = vars(make_task(saved.task, **value)) == vars(make_task(saved.task, **old))
+        else:
+            same = value == old or (field == "replay" and tuple(value) == tuple(old))
+        if field != "steps" and not same:
+            changed.append(f"{_flag(field)} {value!r} (the run: {old!r})")
+    return changed
+
+
 def _cmd_rl_train(args: argparse.Namespace) -> int:
     from glmport.core.extras import require
-
-    # curves.png, the progress bar and the asynchronous trainer's workers; a resumed
-    # run's trainer checks for Ray itself once the checkpoint says its mode.
-    needs = ("matplotlib", *(() if args.quiet else ("rich",)))
-    require("glmport rl train", *needs, *(("ray",) if args.mode == "async" else ()))
-
+    from glmport.rl.checkpoint import read_state
     from glmport.rl.run import train
-    from glmport.rl.trainer import RLConfig
+    from glmport.rl.trainer import ASYNC_FIELDS, CHECKPOINT, RLConfig
 
     _check_environment()
     _check_out(args.out, "--out")
@@ -728,55 +774,39 @@ def _cmd_rl_train(args: argparse.Namespace) -> int:
     ):
         with _select(name, flag):  # unknown or unavailable: said now, as the flag's
             pass
+    given = _rl_settings(args)
+    options = _async_options(args)
     if args.resume:
-        given = [f for f in ("task", "digits", "opd_teacher", "init") if getattr(args, f)]
-        if given:
+        saved = read_state(os.path.join(args.out, CHECKPOINT)).config
+        changed = _resume_changes(given, saved)
+        if changed:
             raise ConfigError(
-                f"--resume continues the run in --out with its own settings; drop "
-                f"{', '.join('--' + f.replace('_', '-') for f in given)} (only --steps may change)"
+                f"--resume continues the run in {args.out} with its own settings; only "
+                f"--steps may change, and {'; '.join(changed)} differ"
             )
+        mode = saved.mode
+    else:
+        mode = given.get("mode", RLConfig.mode)
+    if mode != "async":
+        extra = [_flag(f) for f in ASYNC_FIELDS if f in given] + [
+            "--" + k.replace("_", "-") for k in options
+        ]
+        if extra:
+            raise ConfigError(f"{', '.join(extra)}: options of --mode async (this run: {mode})")
+    # curves.png, the progress bar and the asynchronous trainer's workers, before any work.
+    needs = ("matplotlib", *(() if args.quiet else ("rich",)))
+    require("glmport rl train", *needs, *(("ray",) if mode == "async" else ()))
+    if args.resume:
         records = train(
             None,
             args.out,
             resume=True,
-            steps=args.steps,
+            steps=given.get("steps"),
             progress=not args.quiet,
-            options=_async_options(args),
+            options=options,
         )
     else:
-        config = RLConfig(
-            **({} if args.task is None else {"task": args.task}),
-            task_args={} if args.digits is None else {"digits": args.digits},
-            **({} if args.steps is None else {"steps": args.steps}),
-            prompts_per_step=args.prompts,
-            group_size=args.group_size,
-            minibatches=args.minibatches,
-            lr=args.lr,
-            temperature=args.temperature,
-            icepop_beta=args.icepop_beta or None,
-            kl_coef=args.kl_coef,
-            kl_decay_steps=args.kl_decay_steps,
-            normalize_std=args.normalize_std,
-            rollout_backend=args.rollout_backend,
-            train_backend=args.train_backend,
-            rollout_dtype=args.rollout_dtype,
-            replay=tuple(filter(None, args.replay.split(","))),
-            opd_teacher=args.opd_teacher,
-            shuffle_rewards=args.shuffle_rewards,
-            init=args.init,
-            model=args.model,
-            seed=args.seed,
-            checkpoint_every=args.checkpoint_every,
-            eval_every=args.eval_every,
-            mode=args.mode,
-            max_staleness=args.max_staleness,
-            rollout_workers=args.rollout_workers,
-            async_loss=args.async_loss,
-            publish_every=args.publish_every,
-        )
-        options = _async_options(args)
-        if options and config.mode != "async":
-            raise ConfigError("--ray-address / --worker-threads need --mode async")
+        config = RLConfig(**given)
         records = train(config, args.out, progress=not args.quiet, options=options)
     if records:
         last = records[-1]
@@ -1325,7 +1355,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny GLM-5 overrides, e.g. index_topk=4,hidden_size=96",
     )
     tr.add_argument("--out", required=True, help="run folder")
-    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument("--seed", type=_seed, default=d.seed, help=f"-2**63 to 2**64-1 ({d.seed})")
     tr.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"
     )
@@ -1381,7 +1411,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
-    tr.set_defaults(func=_cmd_rl_train)
+    tr.set_defaults(func=_cmd_rl_train, **dict.fromkeys(_RL_FLAGS))
 
     sv = rl_sub.add_parser(
         "serve",

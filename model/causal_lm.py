@@ -15,7 +15,14 @@ from glmport.core.errors import ConfigError
 
 from .config import GlmMoeDsaConfig
 from .modeling import CausalLMOutput, Experts, GlmMoeDsaModel, Router, pack
-from .weights import atomic_folder, fuse_experts, read_tensors, save_tensors, split_experts
+from .weights import (
+    atomic_folder,
+    fuse_experts,
+    read_tensors,
+    recover_folder,
+    save_tensors,
+    split_experts,
+)
 
 log = logging.getLogger("glmport.model")
 IGNORE_INDEX = -100
@@ -179,6 +186,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         loads as one); without it each keeps its own, and they must agree.
         """
         path = Path(path)
+        recover_folder(path)  # a save killed while replacing it left its old version aside
         config = GlmMoeDsaConfig.from_json_file(path / "config.json")
         state = fuse_experts(
             {

@@ -61,7 +61,8 @@ class SamplingParameterError(ConfigError):
 class SamplingNames:
     """How a caller spells the sampling parameters, for :class:`SamplingParameterError`:
     the Python API's names by default. ``greedy`` is how that caller asks for argmax
-    decoding (``"greedy=True"``, ``"--greedy"``, ``"temperature 0"``)."""
+    decoding (``"greedy=True"``, ``"--greedy"``, ``"temperature 0"``; empty where it
+    cannot: RL rollouts always sample)."""
 
     temperature: str = "temperature"
     top_p: str = "top_p"
@@ -119,7 +120,7 @@ def check_sampling(
             names.temperature,
             temperature,
             f"a number in [{low:g}, {high:g}] when sampling",
-            f"for argmax decoding use {names.greedy}",
+            f"for argmax decoding use {names.greedy}" if names.greedy else "",
         )
     if not (_is_number(top_p) and 0 < top_p <= 1):
         raise SamplingParameterError("top_p", names.top_p, top_p, "a number in (0, 1] (1: off)")

@@ -5,10 +5,13 @@ Never unpickles: only safetensors are read."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +23,13 @@ from safetensors.torch import save_file
 
 from glmport.core.errors import ConfigError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves take no locks (see _locked)
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # The files a save writes (and replaces): anything else in a checkpoint folder is kept.
@@ -27,6 +37,11 @@ CHECKPOINT_NAMES = re.compile(
     r"^(config\.json|model\.safetensors|model\.safetensors\.index\.json"
     r"|model-\d+-of-\d+\.safetensors)$"
 )
+# The side folders of a save (see _side_folder): the target's name, the kind, a uuid.
+_SIDE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{32}$")
+# How long recover_folder waits for a running save to rename its new version in (the
+# gap between two renames, but a loaded machine can stall a process for seconds).
+RECOVERY_WAIT_S = 10.0
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # Expert numbers without leading zeros: "007" would alias expert 7 and overwrite it.
 _PER_EXPERT = re.compile(
@@ -118,6 +133,20 @@ def _allowed_roots(folder: Path) -> list[Path]:
     return roots
 
 
+def contained_path(folder: Path, name: str, where: str) -> Path:
+    """The real path of ``folder / name``, checked to exist and to stay in ``folder``
+    (already resolved): no symlink out of it (the hub cache's links into its own
+    ``blobs`` excepted, see :func:`_allowed_roots`). ``where`` names the entry in the
+    :class:`ConfigError` (the file and the field or key that named it)."""
+    candidate = folder / name
+    if not candidate.exists() and not candidate.is_symlink():
+        raise _error(f"{where}: {name!r} is missing from the checkpoint folder")
+    real = candidate.resolve()
+    if not any(real.is_relative_to(root) for root in _allowed_roots(folder)):
+        raise _error(f"{where}: {name!r} is a link to {real}, outside the checkpoint folder")
+    return real
+
+
 def _shard_path(folder: Path, name: object, key: str) -> Path:
     """The real path of the file ``name`` that the index gives for ``key``, checked to
     stay in ``folder`` (no absolute path, no ``..``, no symlink out of it)."""
@@ -127,12 +156,7 @@ def _shard_path(folder: Path, name: object, key: str) -> Path:
     relative = Path(name)
     if relative.is_absolute() or ".." in relative.parts or "\\" in name:
         raise _error(f"{where} = {name!r} points outside the checkpoint folder")
-    candidate = folder / relative
-    if not candidate.exists() and not candidate.is_symlink():
-        raise _error(f"{where} names {name!r}, which is missing from the checkpoint folder")
-    real = candidate.resolve()
-    if not any(real.is_relative_to(root) for root in _allowed_roots(folder)):
-        raise _error(f"{where} = {name!r} is a link to {real}, outside the checkpoint folder")
+    real = contained_path(folder, name, where)
     if not real.is_file():
         raise _error(f"{where} names {name!r}, which is not a regular file")
     return real
@@ -176,6 +200,7 @@ def checkpoint_plan(path: str | Path) -> list[tuple[Path, list[str]]]:
     and all its keys. Returns ``[(real file path, sorted keys)]``.
     """
     given = Path(path)
+    recover_folder(given)  # a save killed while replacing it may have left it aside
     if not given.is_dir():
         raise _error(f"checkpoint folder {given} does not exist or is not a folder")
     folder = given.resolve()
@@ -208,9 +233,7 @@ def checkpoint_plan(path: str | Path) -> list[tuple[Path, list[str]]]:
         return [(real, sorted(wanted[real])) for real in sorted(wanted)]
     single = folder / SINGLE_FILE
     if single.exists() or single.is_symlink():
-        real = single.resolve()
-        if not any(real.is_relative_to(root) for root in _allowed_roots(folder)):
-            raise _error(f"{single} is a link to {real}, outside the checkpoint folder")
+        real = contained_path(folder, SINGLE_FILE, str(folder))
         if not real.is_file():
             raise _error(f"{single} is not a regular file")
         with _open(real, SINGLE_FILE) as f:
@@ -222,13 +245,26 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a checkpoint folder, one at a time, after :func:`checkpoint_plan`
     has checked every file's header and the index (shards opened one at a time)."""
     for file, keys in checkpoint_plan(path):
-        with _open(file, file.name) as f:
-            for key in keys:
-                try:
-                    tensor = f.get_tensor(key)
-                except Exception as err:  # an unsupported dtype or unreadable data
-                    raise _error(f"cannot read tensor {key} from {file}: {err}") from err
-                yield key, tensor
+        yield from _read_keys(file, file.name, keys)
+
+
+def read_safetensors(file: Path, name: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the one safetensors ``file`` (``name``: how errors call it); a
+    missing, truncated or corrupt file or an unreadable tensor is a :class:`ConfigError`
+    naming it."""
+    with _open(file, name) as f:
+        keys = sorted(f.keys())
+    return dict(_read_keys(file, name, keys))
+
+
+def _read_keys(file: Path, name: str, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    with _open(file, name) as f:
+        for key in keys:
+            try:
+                tensor = f.get_tensor(key)
+            except Exception as err:  # an unsupported dtype or unreadable data
+                raise _error(f"cannot read tensor {key} from {file}: {err}") from err
+            yield key, tensor
 
 
 def _fsync(path: Path) -> None:
@@ -265,6 +301,119 @@ def _carry_over(old: Path, new: Path) -> None:
             _link_or_copy(str(entry), str(new / entry.name))
 
 
+def _side_folder(target: Path, kind: str) -> Path:
+    """A hidden sibling of ``target`` that a save uses: ``.{name}.tmp-{hex}`` (the new
+    version being written) or ``.{name}.old-{hex}`` (the previous one, moved aside)."""
+    return target.parent / f".{target.name}.{kind}-{uuid.uuid4().hex}"
+
+
+@contextmanager
+def _locked(folder: Path, *, wait: bool) -> Iterator[bool]:
+    """Hold an exclusive advisory lock (``flock``) on ``folder`` for the block; yields
+    False, holding nothing, when another process holds it and ``wait`` is False.
+
+    A save holds its side folders locked while it needs them and the kernel drops the
+    lock when the process dies, however it dies: an unlocked side folder is one a
+    killed save left. Without ``fcntl`` (not POSIX) nothing is locked and every side
+    folder counts as left behind."""
+    if fcntl is None:
+        yield True
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _real_target(path: str | Path) -> Path:
+    target = Path(path)
+    return target.resolve() if target.is_symlink() else target
+
+
+def recover_folder(path: str | Path, *, clean: bool = False) -> None:
+    """Undo or finish what a save killed mid-way left beside the folder ``path``.
+
+    A save (:func:`atomic_folder`) writes ``.{name}.tmp-*``, moves the previous version
+    aside to ``.{name}.old-*``, renames the new one in and removes the old one. Side
+    folders that no running save holds (see :func:`_locked`) are left-overs: an old
+    version beside a missing ``path`` is the last complete checkpoint and is renamed
+    back (as if the interrupted save never happened); beside a present ``path`` it was
+    replaced already and is removed. ``clean`` (what a save does first) also removes
+    left-over temporary folders (a reader leaves them: a save that just made its own
+    has not locked it yet). A running save's folders are never touched; while one has
+    ``path`` moved aside this waits (up to :data:`RECOVERY_WAIT_S`) for the new
+    version. Every save and every load calls this first.
+
+    Raises:
+        ConfigError: renaming the previous version back failed, several candidates
+            exist, or a running save keeps ``path`` absent.
+    """
+    target = _real_target(path)
+    deadline = time.monotonic() + RECOVERY_WAIT_S
+    while True:
+        with contextlib.ExitStack() as held:
+            busy = _recover_once(target, held, clean)
+        if not busy or target.exists():
+            return
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"{target} is missing while another process's save replaces it; try again"
+            )
+        time.sleep(0.05)
+
+
+def _recover_once(target: Path, held: contextlib.ExitStack, clean: bool) -> bool:
+    """One pass of :func:`recover_folder`; True when a running save has ``target``'s
+    previous version aside (so it is missing for now)."""
+    try:
+        entries = sorted(target.parent.iterdir())
+    except OSError:  # no parent, or one this process may not list: nothing to recover
+        return False
+    left: dict[str, list[Path]] = {"tmp": [], "old": []}
+    busy = False
+    for entry in entries:
+        side = _SIDE.match(entry.name)
+        if side is None or side["name"] != target.name or (side["kind"] == "tmp" and not clean):
+            continue
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            free = held.enter_context(_locked(entry, wait=False))
+        except OSError:  # its save finished with it meanwhile, or it is not ours to open
+            continue
+        if free:
+            left[side["kind"]].append(entry)
+        else:
+            busy = busy or side["kind"] == "old"
+    old = left["old"]
+    if old and not target.exists() and not target.is_symlink():
+        if len(old) > 1:
+            raise ConfigError(
+                f"{target} is missing and interrupted saves left several previous versions "
+                f"beside it ({', '.join(p.name for p in old)}): rename the one to keep to "
+                f"{target.name}"
+            )
+        try:
+            os.rename(old[0], target)
+            _fsync(target.parent)
+        except OSError as err:
+            raise ConfigError(
+                f"{target} is missing: an interrupted save moved it aside to {old[0]}, "
+                f"and renaming it back failed: {err}"
+            ) from err
+        log.warning("%s: restored the version an interrupted save had moved aside", target)
+        old = []
+    for entry in old + left["tmp"]:
+        shutil.rmtree(entry, ignore_errors=True)
+    return busy
+
+
 @contextmanager
 def atomic_folder(path: str | Path) -> Iterator[Path]:
     """Yield a fresh temporary folder next to ``path``; when the block ends without an
@@ -273,53 +422,60 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     An existing ``path`` stays whole until the new folder is complete: it is renamed
     aside, the new one renamed in, then the old one removed (its non-checkpoint files
     carried over first). An error in the block removes the temporary folder and leaves
-    ``path`` as it was. Checkpoint files of an earlier save (shards, index) never
+    ``path`` as it was. A process killed at any point leaves side folders that
+    :func:`recover_folder` (run by the next save or load) turns back into the old or
+    the new version, whole. Checkpoint files of an earlier save (shards, index) never
     survive into the new folder, so nothing stale can be read back.
     """
-    target = Path(path)
-    if target.is_symlink():
-        target = target.resolve()
+    target = _real_target(path)
     if target.exists() and not target.is_dir():
         raise ConfigError(f"cannot save a checkpoint to {target}: it exists and is not a folder")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # mkdir, not tempfile.mkdtemp: the published folder gets the umask's mode, not 0700
-        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        if target.exists():
-            shutil.copymode(target, tmp)
-    except OSError as err:
-        raise ConfigError(f"cannot save a checkpoint to {target}: {err}") from err
-    try:
-        yield tmp
-        if target.exists():
-            _carry_over(target, tmp)
-        for file in tmp.rglob("*"):
-            if file.is_file() and not file.is_symlink():
-                _fsync(file)
-        _fsync(tmp)
-        _publish(tmp, target)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot save a checkpoint to {target}: {err}") from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with contextlib.ExitStack() as held:
+        tmp = None
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            recover_folder(target, clean=True)
+            # mkdir, not tempfile.mkdtemp: the published folder gets the umask's mode, not 0700
+            tmp = _side_folder(target, "tmp")
+            tmp.mkdir()
+            held.enter_context(_locked(tmp, wait=True))
+            if target.exists():
+                shutil.copymode(target, tmp)
+            yield tmp
+            if target.exists():
+                _carry_over(target, tmp)
+            for file in tmp.rglob("*"):
+                if file.is_file() and not file.is_symlink():
+                    _fsync(file)
+            _fsync(tmp)
+            _publish(tmp, target, held)
+        except OSError as err:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"cannot save a checkpoint to {target}: {err}") from err
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
-def _publish(tmp: Path, target: Path) -> None:
+def _publish(tmp: Path, target: Path, held: contextlib.ExitStack) -> None:
+    """Rename the complete ``tmp`` to ``target``; an existing ``target`` is locked (in
+    ``held``) and moved aside first, then removed once the new one is in."""
     if not target.exists():
         os.rename(tmp, target)
-    else:
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
-        os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            os.rename(old, target)  # put the previous checkpoint back
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+        _fsync(target.parent)
+        return
+    held.enter_context(_locked(target, wait=True))
+    old = _side_folder(target, "old")
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        os.rename(old, target)  # put the previous checkpoint back
+        raise
     _fsync(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_tensors(

@@ -26,22 +26,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from glmport.core.errors import ConfigError, GlmportError
+from glmport.core.errors import ConfigError, GlmportError, check_int
 from glmport.core.extras import require
 
+from .checkpoint import SavedState, exact_keys, field_error
 from .losses import double_sided_is_loss, group_advantages, policy_gradient_loss
 from .staleness import GroupLedger, StalenessManager
 from .tasks import Problem, shuffled_rewards
-from .trainer import RLConfig, Trainer, _generator, _rows, _seed_for
+from .trainer import RLConfig, Trainer, _generator, _is_number, _rows, _seed_for
 from .workers import DTYPES, Group, GroupSampling, GroupSpec, Interrupted
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,10 @@ IN_FLIGHT_PER_WORKER = 2  # one sampling, one queued: a worker never idles on a 
 # A group whose worker died under it this often means something is broken: stop. (Being
 # interrupted or too stale is normal and not counted: each happens only after a step.)
 MAX_FAILURES = 8
+# A checkpoint's pending group has been sampled at most this often (interruptions and
+# staleness are unbounded in principle; 2**31 of them are not a run).
+MAX_ATTEMPTS = (1 << 31) - 1
+MAX_WORKER_THREADS = 1024
 DEFAULT_WAIT_S = 300.0
 # Seed streams of a group (see trainer._seed_for), apart from the sync trainer's 0-3.
 _PROBLEM_STREAM, _SAMPLE_STREAM = 5, 6
@@ -73,6 +79,8 @@ class AsyncTrainer(Trainer):
             quarter of a step's groups per worker, at least 1).
     """
 
+    MODE = "async"
+
     def __init__(
         self,
         config: RLConfig,
@@ -86,6 +94,15 @@ class AsyncTrainer(Trainer):
     ) -> None:
         if config.mode != "async":
             raise ConfigError(f"AsyncTrainer runs mode 'async' configs, got {config.mode!r}")
+        for name, value, low, high in (
+            ("worker_threads", worker_threads, 1, MAX_WORKER_THREADS),
+            ("max_restarts", max_restarts, 0, MAX_ATTEMPTS),
+            ("groups_per_call", groups_per_call, 1, config.prompts_per_step),
+        ):
+            if value is not None:
+                check_int(name, value, low, high)
+        if not (_is_number(wait_s) and 0 < wait_s < math.inf):
+            raise ConfigError(f"wait_s must be a finite number of seconds > 0, got {wait_s!r}")
         super().__init__(config, out)
         self.ray_address = ray_address
         cores = os.cpu_count() or 1
@@ -193,12 +210,18 @@ class AsyncTrainer(Trainer):
 
     # -- groups ------------------------------------------------------------------------
 
+    def _spec(self, group: int, attempt: int) -> GroupSpec:
+        """Attempt ``attempt`` of group ``group``: its problem and sampling seed follow
+        from the run's seed and those two numbers alone."""
+        seed = self.config.seed
+        problem = self.task.sample(1, _generator(seed, group, _PROBLEM_STREAM))[0]
+        stream = _SAMPLE_STREAM + 100 * attempt
+        return GroupSpec(group, attempt, problem, _seed_for(seed, group, stream))
+
     def _issue(self) -> GroupSpec:
-        c, g = self.config, self.next_group
+        spec = self._spec(self.next_group, 0)
         self.next_group += 1
-        problem = self.task.sample(1, _generator(c.seed, g, _PROBLEM_STREAM))[0]
-        spec = GroupSpec(g, 0, problem, _seed_for(c.seed, g, _SAMPLE_STREAM))
-        self.ledger.record("issued", g, prompt=list(problem.prompt))
+        self.ledger.record("issued", spec.group_id, prompt=list(spec.problem.prompt))
         return spec
 
     def _requeue(self, spec: GroupSpec, event: str, **details: Any) -> None:
@@ -211,11 +234,7 @@ class AsyncTrainer(Trainer):
                     f"group {spec.group_id} lost its worker {MAX_FAILURES} times; "
                     "the rollout workers keep dying"
                 )
-        stream = _SAMPLE_STREAM + 100 * (spec.attempt + 1)
-        again = replace(
-            spec, attempt=spec.attempt + 1, seed=_seed_for(self.config.seed, spec.group_id, stream)
-        )
-        self.queue.appendleft(again)
+        self.queue.appendleft(self._spec(spec.group_id, spec.attempt + 1))
 
     def _dispatch(self) -> None:
         """Send groups to the least busy live workers, ``groups_per_call`` per call, while
@@ -458,19 +477,107 @@ class AsyncTrainer(Trainer):
             }
         }
 
-    def _restore(self, state: dict) -> None:
-        saved = state.get("async")
-        if saved is None:
-            raise ConfigError("the checkpoint was not written by an asynchronous run")
-        self.next_group = saved["next_group"]
-        self._counts = dict(saved["counts"])
-        for p in saved["pending"]:
-            problem = Problem(tuple(p["prompt"]), tuple(p["answer"]))
-            self.queue.append(GroupSpec(p["group"], p["attempt"], problem, p["seed"]))
+    def _check_extra(self, saved: SavedState) -> _Saved:
+        """The checkpoint's ``async`` section, checked: the queue's groups are exactly
+        those issued and not trained (``next_group == step x prompts_per_step +
+        len(pending)``), each with the prompt, answer and seed its group id and attempt
+        give; the ledger in ``out`` holds the records the checkpoint counted."""
+        c = self.config
+        file = saved.file
+        if set(saved.extra) != {"async"}:
+            raise ConfigError(
+                f"{file}: an asynchronous run's state has one key beside the common ones, "
+                f"async; got {sorted(saved.extra)}"
+            )
+        section = exact_keys(
+            saved.extra["async"],
+            ("next_group", "pending", "ledger_records", "counts"),
+            f"{file}: async",
+        )
+        next_group = check_int(f"{file}: async.next_group", section["next_group"], 0)
+        records = check_int(f"{file}: async.ledger_records", section["ledger_records"], 0)
+        counts = exact_keys(section["counts"], tuple(self._counts), f"{file}: async.counts")
+        for key, value in counts.items():
+            check_int(f"{file}: async.counts.{key}", value, 0)
+        pending = section["pending"]
+        if not isinstance(pending, list):
+            raise field_error(f"{file}: async.pending", f"must be a list, got {pending!r:.60}")
+        trained = saved.step * c.prompts_per_step
+        if next_group != trained + len(pending):
+            raise field_error(
+                f"{file}: async.next_group",
+                f"is {next_group}; {saved.step} steps trained {trained} groups and "
+                f"{len(pending)} are pending",
+            )
+        specs = []
+        for i, entry in enumerate(pending):
+            where = f"{file}: async.pending[{i}]"
+            exact_keys(entry, ("group", "attempt", "prompt", "answer", "seed"), where)
+            group = check_int(f"{where}.group", entry["group"], 0, next_group - 1)
+            attempt = check_int(f"{where}.attempt", entry["attempt"], 0, MAX_ATTEMPTS)
+            spec = self._spec(group, attempt)
+            for key, want in (
+                ("prompt", list(spec.problem.prompt)),
+                ("answer", list(spec.problem.answer)),
+                ("seed", spec.seed),
+            ):
+                if entry[key] != want or isinstance(entry[key], bool):
+                    raise field_error(
+                        f"{where}.{key}",
+                        f"is {entry[key]!r:.60}; group {group}, attempt {attempt} of this "
+                        f"run has {want!r}",
+                    )
+            specs.append(spec)
+        if len({s.group_id for s in specs}) < len(specs):
+            raise field_error(f"{file}: async.pending", "lists a group twice")
+        ledger = None
+        if self.out is not None:
+            ledger = self._saved_ledger(records, file)
+        return _Saved(next_group, dict(counts), specs, ledger)
+
+    def _saved_ledger(self, records: int, file: Path) -> list[dict]:
+        """The first ``records`` records of ``out/ledger.jsonl`` (those the checkpoint
+        counted; later ones were written by a run that then stopped)."""
+        path = self.out / LEDGER
+        if path.is_symlink():
+            raise ConfigError(f"{path} is a link; a run's ledger is its own file")
+        if not path.is_file():
+            if records:
+                raise ConfigError(
+                    f"{path} is missing; {file} counts {records} ledger records (async."
+                    "ledger_records)"
+                )
+            return []
+        try:
+            ledger = GroupLedger.read(path)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{path} is not a readable ledger: {err}") from err
+        if len(ledger) < records or not all(isinstance(r, dict) for r in ledger[:records]):
+            raise ConfigError(
+                f"{path} holds {len(ledger)} records; {file} counts {records} "
+                "(async.ledger_records)"
+            )
+        return ledger[:records]
+
+    def _restore(self, extra: object) -> None:
+        assert isinstance(extra, _Saved)
+        self.next_group = extra.next_group
+        self._counts = extra.counts
+        self.queue.extend(extra.pending)
         # Groups trained after the checkpoint are trained again by this run: its ledger
         # continues from the checkpoint's.
-        if self.out is not None and (self.out / LEDGER).is_file():
-            self.ledger = GroupLedger(
-                None, GroupLedger.read(self.out / LEDGER)[: saved["ledger_records"]]
-            )
+        if extra.ledger is not None:
+            self.ledger = GroupLedger(None, extra.ledger)
         self.staleness.accepted = self.version * self.config.prompts_per_step
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """An asynchronous checkpoint's queue and counters, checked (see
+    :meth:`AsyncTrainer._check_extra`); ``ledger``: the records to continue (None
+    without an out dir)."""
+
+    next_group: int
+    counts: dict[str, int]
+    pending: list[GroupSpec]
+    ledger: list[dict] | None

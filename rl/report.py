@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from glmport.core.errors import ConfigError
 from glmport.core.extras import install_command
 
-__all__ = ["MetricsLog", "plot_curves"]
+__all__ = ["MetricsLog", "plot_curves", "rewrite_jsonl"]
 
 
 def _plain(value: Any, key: str) -> Any:
@@ -39,6 +40,19 @@ def _plain(value: Any, key: str) -> Any:
         f"metric '{key}' must be a number, string, scalar tensor, list or dict, "
         f"got {type(value).__name__}"
     )
+
+
+def rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace the JSON-lines file ``path`` with ``records``, atomically: they are
+    written to a temporary file beside it, flushed, and renamed over it, so a process
+    killed meanwhile leaves the old file or the new one, never a cut one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class MetricsLog:

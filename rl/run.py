@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from glmport.core.errors import ConfigError
+from glmport.model.weights import recover_folder
 
-from .report import MetricsLog, plot_curves
+from .async_trainer import LEDGER
+from .checkpoint import read_state
+from .report import MetricsLog, plot_curves, rewrite_jsonl
 from .trainer import CHECKPOINT, RLConfig, Trainer
 
 METRICS = "metrics.jsonl"
@@ -37,8 +40,11 @@ def train(
         config: the run (ignored with ``resume``, which reads the checkpoint's).
         out: the run folder: ``metrics.jsonl`` (one JSON line per step),
             ``curves.png`` (reward and mismatch against step), ``checkpoint/``.
-        resume: continue from ``out/checkpoint``; metrics past the checkpoint's step
-            (written after it, by a run that then stopped) are dropped first.
+        resume: continue from ``out/checkpoint`` (checked whole first:
+            :mod:`glmport.rl.checkpoint`); metrics past the checkpoint's step (written
+            after it, by a run that then stopped) are dropped first. Without it, an
+            ``out`` that holds a run (a checkpoint, metrics or a ledger) is refused:
+            nothing of a run is overwritten unless resumed.
         steps: with ``resume``, a new total number of steps.
         progress: draw a rich progress bar on the terminal.
         options: keyword arguments of the asynchronous trainer besides its config
@@ -49,21 +55,26 @@ def train(
     """
     out = Path(out)
     metrics_path = out / METRICS
+    for name in (METRICS, LEDGER, CURVES):
+        if (out / name).is_symlink():
+            raise ConfigError(f"{out / name} is a link; a run's {name} is its own file")
     if resume:
-        saved = RLConfig.from_json(Trainer.read_state(out / CHECKPOINT)["rl_config"])
-        trainer = trainer_class(saved.mode, options).resume(
+        saved = read_state(out / CHECKPOINT)
+        records = _read(metrics_path)
+        trainer = trainer_class(saved.config.mode, options).resume(
             out / CHECKPOINT, out, options=options, **({} if steps is None else {"steps": steps})
         )
-        kept = [r for r in _read(metrics_path) if r.get("step", 0) <= trainer.step_index]
-        with MetricsLog(metrics_path) as log:
-            for record in kept:
-                log.write(record)
+        kept = [r for r in records if r["step"] <= trainer.step_index]
+        if len(kept) < len(records):
+            rewrite_jsonl(metrics_path, kept)
     else:
         if config is None:
             raise ConfigError("train: a config is needed unless resuming")
-        if (out / CHECKPOINT).exists():
+        held = _run_files(out)
+        if held:
             raise ConfigError(
-                f"{out} already holds a run; resume it (--resume) or choose another --out"
+                f"{out} already holds a run ({', '.join(held)}); resume it (--resume), "
+                "or choose another --out"
             )
         trainer = trainer_class(config.mode, options)(config, out, **(options or {}))
         MetricsLog(metrics_path).close()
@@ -91,8 +102,26 @@ def trainer_class(mode: str, options: dict | None = None) -> type[Trainer]:
     return Trainer
 
 
+def _run_files(out: Path) -> list[str]:
+    """What in ``out`` belongs to an earlier run: a checkpoint (one an interrupted save
+    moved aside is put back first), a non-empty metrics file or ledger."""
+    recover_folder(out / CHECKPOINT)
+    held = [CHECKPOINT] if (out / CHECKPOINT).exists() else []
+    for name in (METRICS, LEDGER):
+        if (out / name).is_file() and (out / name).stat().st_size:
+            held.append(name)
+    return held
+
+
 def _read(path: Path) -> list[dict]:
-    return MetricsLog.read(path) if path.is_file() else []
+    """The metrics records of ``path`` (none when it is absent), each an object with
+    its int ``step``."""
+    records = MetricsLog.read(path) if path.is_file() else []
+    for line, record in enumerate(records, start=1):
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError(f"{path}: record {line} has no int step: {str(record)[:60]}")
+    return records
 
 
 def _run_with_progress(trainer: Trainer, log: MetricsLog) -> None:

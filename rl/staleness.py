@@ -26,6 +26,8 @@ from typing import Any
 
 from glmport.core.errors import ConfigError, GlmportError, check_int
 
+from .report import rewrite_jsonl
+
 EVENTS = (
     "issued",  # a new group id and its prompt
     "dispatched",  # sent to a worker (attempt n)
@@ -96,7 +98,7 @@ class GroupLedger:
         self._file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            rewrite_jsonl(path, self.records)  # a kill meanwhile keeps the old ledger
             self._file = path.open("a")
 
     def record(self, event: str, group: int, **details: Any) -> None:

@@ -30,17 +30,20 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import glmport
 from glmport.core.errors import ConfigError, check_int
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.choices import KINDS
 from glmport.model.generation import generate
+from glmport.model.sampling import SamplingNames, check_sampling
 from glmport.model.scoring import continuation_logprobs
 from glmport.model.weights import atomic_folder
 
+from .checkpoint import OPTIMIZER, POLICY, STATE, SavedState, read_state, read_weights
 from .losses import (
+    KL_KINDS,
     group_advantages,
     grpo_icepop_loss,
     kl_penalty,
@@ -50,7 +53,7 @@ from .losses import (
 from .tasks import Task, make_task, shuffled_rewards
 from .workers import DTYPES
 
-CHECKPOINT = "checkpoint"
+CHECKPOINT = "checkpoint"  # the run folder's checkpoint (layout: glmport.rl.checkpoint)
 # Adam's learning rate (``lr`` None): distillation's per-token advantages are large
 # (log-prob gaps of several nats), so it steps more gently.
 DEFAULT_LR = 2e-3
@@ -132,39 +135,91 @@ class RLConfig:
     publish_every: int = 1
 
     def __post_init__(self) -> None:
-        self.replay = tuple(self.replay)
-        lowest = {"steps": 0, "prompts_per_step": 1, "group_size": 1, "minibatches": 1}
-        lowest.update(checkpoint_every=1, eval_every=0, eval_prompts=1, kl_decay_steps=0)
-        lowest.update(max_staleness=0, rollout_workers=1, publish_every=1)
-        for name, low in lowest.items():
-            check_int(name, getattr(self, name), low)
-        if self.minibatches > self.prompts_per_step * self.group_size:
+        self._check_types()
+        for name, (low, high) in _COUNTS.items():
+            check_int(name, getattr(self, name), low, high)
+        if self.group_size < 2 and self.opd_teacher is None:
             raise ConfigError(
-                f"minibatches ({self.minibatches}) exceeds the samples per step "
-                f"({self.prompts_per_step * self.group_size})"
+                "group_size must be an int >= 2: GRPO's advantage is a sample's reward minus "
+                "its group's mean, 0 for a group of 1 (only distillation, opd_teacher, "
+                "takes 1)"
+            )
+        try:
+            task = make_task(self.task, **self.task_args)
+            if self.init is None:  # the policy's architecture, checked before any work
+                policy_config(task, self.model)
+        except ConfigError as err:
+            raise ConfigError(f"task {self.task!r}, task_args, model: {err}") from err
+        samples = self.prompts_per_step * self.group_size
+        if samples > MAX_SAMPLES_PER_STEP:
+            raise ConfigError(
+                f"prompts_per_step x group_size ({self.prompts_per_step} x {self.group_size}) "
+                f"exceeds {MAX_SAMPLES_PER_STEP} samples a step"
+            )
+        length = task.prompt_len + task.response_len
+        for what, rows in (("a step's samples", samples), ("eval_prompts", self.eval_prompts)):
+            if rows * length > MAX_TOKENS_PER_STEP:
+                raise ConfigError(
+                    f"{what} ({rows}) x the task's {length} tokens each exceeds "
+                    f"{MAX_TOKENS_PER_STEP} tokens (task_args {self.task_args})"
+                )
+        if self.minibatches > samples:
+            raise ConfigError(
+                f"minibatches ({self.minibatches}) exceeds the samples per step ({samples})"
             )
         if self.lr is None:
             self.lr = DEFAULT_LR_DISTILL if self.opd_teacher is not None else DEFAULT_LR
-        for name in ("lr", "grad_clip", "temperature"):
+        if self.kl_coef is None:
+            self.kl_coef = 0.0 if self.opd_teacher is not None else DEFAULT_KL_COEF
+        for name, (low, high, closed) in _REALS.items():
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ConfigError(f"{name} must be finite and > 0, got {value!r}")
-        if self.rollout_dtype not in DTYPES:
-            raise ConfigError(
-                f"rollout_dtype must be one of {', '.join(DTYPES)}, got {self.rollout_dtype!r}"
-            )
+            if value is None and name in _OPTIONAL:
+                continue
+            above = _is_number(value) and (low <= value if closed else low < value)
+            if not (above and value < high):
+                bound = "[" if closed else "("
+                raise ConfigError(
+                    f"{name} must be a number in {bound}{low}, {high}), got {value!r}"
+                )
+        # Rollouts sample at it: the range every sampling caller has.
+        check_sampling(temperature=self.temperature, names=SamplingNames(greedy=""))
+        for name, allowed in (("rollout_dtype", DTYPES), ("kl_kind", KL_KINDS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
         unknown = sorted(set(self.replay) - set(KINDS))
         if unknown:
             raise ConfigError(f"unknown replay kinds {unknown}; kinds: {', '.join(KINDS)}")
-        if self.kl_coef is None:
-            self.kl_coef = 0.0 if self.opd_teacher is not None else DEFAULT_KL_COEF
-        if not isinstance(self.kl_coef, (int, float)) or not 0 <= self.kl_coef < math.inf:
-            raise ConfigError(f"kl_coef must be finite and >= 0, got {self.kl_coef!r}")
+        if len(set(self.replay)) < len(self.replay):
+            raise ConfigError(f"replay names a kind twice: {list(self.replay)}")
         self._check_mode()
         for name in ("opd_teacher", "init"):
             folder = getattr(self, name)
             if folder is not None and not (Path(folder) / "config.json").is_file():
                 raise ConfigError(f"{name}: {folder!r} is not a checkpoint folder (no config.json)")
+
+    def _check_types(self) -> None:
+        """Every field of the type its annotation says (a JSON list for ``replay``)."""
+        if isinstance(self.replay, (list, tuple)):
+            self.replay = tuple(self.replay)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = _KINDS.get(f.name)
+            if kind is None:  # ints, checked with their ranges; reals with theirs
+                continue
+            ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+            if f.name in _OPTIONAL and value is None:
+                ok = True
+            elif kind in (dict, tuple) and ok:  # str keys, str kinds
+                ok = all(isinstance(k, str) for k in value)
+            if not ok:
+                want = {str: "a str", bool: "a bool", dict: "an object with str keys"}.get(
+                    kind, "a list of str"
+                )
+                if f.name in _OPTIONAL:
+                    want += " or None"
+                raise ConfigError(f"{f.name} must be {want}, got {type(value).__name__} {value!r}")
 
     def _check_mode(self) -> None:
         for name, allowed in (("mode", MODES), ("async_loss", ASYNC_LOSSES)):
@@ -172,6 +227,14 @@ class RLConfig:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
+        if self.mode != "async":
+            defaults = {f.name: f.default for f in fields(self)}
+            for name in ASYNC_FIELDS:
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(
+                        f"{name} ({getattr(self, name)!r}) is a setting of mode 'async'; this "
+                        f"run's mode is {self.mode!r}"
+                    )
         if self.publish_every > self.max_staleness + 1:
             raise ConfigError(
                 f"publish_every ({self.publish_every}) exceeds max_staleness + 1 "
@@ -188,12 +251,76 @@ class RLConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> RLConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+    def from_json(cls, data: object, *, complete: bool = False) -> RLConfig:
+        """The config of ``to_json``'s dict ``data``; ``complete``: every field must be
+        there (a checkpoint's config is written whole: a missing field would silently
+        take its default)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"RL config must be an object, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(map(str, set(data) - set(known)))
         if unknown:
             raise ConfigError(f"RL config: unknown fields {unknown}")
+        missing = [name for name in known if name not in data]
+        if complete and missing:
+            raise ConfigError(f"RL config: fields {missing} missing")
         return cls(**data)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Sizes past these cannot fit in memory or finish: refused up front, not in the allocator.
+MAX_STEPS = 10**9
+MAX_SAMPLES_PER_STEP = 1 << 16
+MAX_TOKENS_PER_STEP = 1 << 22
+MAX_ROLLOUT_WORKERS = 1024
+MAX_STALENESS = 1024
+# RLConfig's int fields: (lowest, highest) value.
+_COUNTS = {
+    "steps": (0, MAX_STEPS),
+    "prompts_per_step": (1, MAX_SAMPLES_PER_STEP),
+    "group_size": (1, MAX_SAMPLES_PER_STEP),
+    "minibatches": (1, MAX_SAMPLES_PER_STEP),
+    "checkpoint_every": (1, MAX_STEPS),
+    "eval_every": (0, MAX_STEPS),
+    "eval_prompts": (1, MAX_SAMPLES_PER_STEP),
+    "kl_decay_steps": (0, MAX_STEPS),
+    "max_staleness": (0, MAX_STALENESS),
+    "rollout_workers": (1, MAX_ROLLOUT_WORKERS),
+    "publish_every": (1, MAX_STALENESS + 1),
+    "seed": (-(1 << 63), (1 << 64) - 1),
+}
+# Its real fields: (low, high, low included); high is never included (finite values).
+_REALS = {
+    "lr": (0, math.inf, False),
+    "grad_clip": (0, math.inf, False),
+    "eps_low": (0, 1, True),
+    "eps_high": (0, math.inf, True),
+    "icepop_beta": (1, math.inf, False),
+    "kl_coef": (0, math.inf, True),
+}
+# Its other fields' types, and those that may be None.
+_KINDS = {
+    "task": str,
+    "task_args": dict,
+    "normalize_std": bool,
+    "kl_kind": str,
+    "rollout_backend": str,
+    "train_backend": str,
+    "rollout_dtype": str,
+    "replay": tuple,
+    "opd_teacher": str,
+    "shuffle_rewards": bool,
+    "init": str,
+    "model": dict,
+    "mode": str,
+    "async_loss": str,
+}
+_OPTIONAL = {"rollout_backend", "train_backend", "opd_teacher", "init", "icepop_beta"}
+# The settings of the asynchronous trainer only.
+ASYNC_FIELDS = ("max_staleness", "rollout_workers", "async_loss", "publish_every")
 
 
 def policy_config(task: Task, overrides: dict) -> GlmMoeDsaConfig:
@@ -238,6 +365,8 @@ def _generator(seed: int, step: int, stream: int) -> torch.Generator:
 class Trainer:
     """Runs :class:`RLConfig`; :meth:`step` does one RL step, :meth:`save` /
     :meth:`resume` checkpoint into ``out``."""
+
+    MODE = "sync"  # the mode of the runs this class resumes
 
     def __init__(self, config: RLConfig, out: str | Path | None = None) -> None:
         self.config = config
@@ -468,12 +597,13 @@ class Trainer:
     def save(self, folder: str | Path | None = None) -> Path:
         """Write the policy (HF safetensors + config.json, loadable by
         ``from_pretrained``), the optimizer state (safetensors) and ``state.json``
-        (step, policy version, RL config, optimizer hyper-parameters), atomically."""
+        (step, policy version, RL config, optimizer hyper-parameters), atomically
+        (layout: :mod:`glmport.rl.checkpoint`)."""
         folder = Path(folder) if folder is not None else self._checkpoint_dir()
         tensors, groups = _optimizer_tensors(self.optimizer)
         with atomic_folder(folder) as tmp:
-            self.policy.save_pretrained(tmp / "policy")
-            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            self.policy.save_pretrained(tmp / POLICY)
+            save_file(tensors, str(tmp / OPTIMIZER))
             state = {
                 "step": self.step_index,
                 "policy_version": self.version,
@@ -481,17 +611,30 @@ class Trainer:
                 # Step s draws only from generators seeded by (seed, s): this is the RNG state.
                 "rng": {"seed": self.config.seed, "next_step": self.step_index},
                 "optimizer_param_groups": groups,
+                "optimizer_state_params": sorted(self.optimizer.state_dict()["state"]),
                 **self._extra_state(),
             }
-            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+            (tmp / STATE).write_text(json.dumps(state, indent=2))
         return folder
 
     def _extra_state(self) -> dict:
-        """What a subclass adds to ``state.json`` (restored by :meth:`_restore`)."""
+        """What a subclass adds to ``state.json`` (checked by :meth:`_check_extra`,
+        restored by :meth:`_restore`)."""
         return {}
 
-    def _restore(self, state: dict) -> None:
-        """Take back what :meth:`_extra_state` saved, from a checkpoint's ``state.json``."""
+    def _check_extra(self, saved: SavedState) -> object:
+        """Check what :meth:`_extra_state` saved (``saved.extra``, the keys of
+        ``state.json`` beyond the common ones) without using it; returns what
+        :meth:`_restore` takes."""
+        if saved.extra:
+            raise ConfigError(
+                f"{saved.file} has keys of another trainer: {', '.join(sorted(saved.extra))} "
+                f"(this run's mode is {self.config.mode!r})"
+            )
+        return None
+
+    def _restore(self, extra: object) -> None:
+        """Take back what :meth:`_check_extra` returned."""
 
     def close(self) -> None:
         """Release what the run holds (nothing here; the asynchronous trainer's Ray)."""
@@ -507,14 +650,6 @@ class Trainer:
             raise ConfigError("Trainer.save: no folder given and the trainer has no out dir")
         return self.out / CHECKPOINT
 
-    @staticmethod
-    def read_state(folder: str | Path) -> dict:
-        """The ``state.json`` of the checkpoint in ``folder``."""
-        state_file = Path(folder) / "state.json"
-        if not state_file.is_file():
-            raise ConfigError(f"{folder} is not an RL checkpoint (no state.json)")
-        return json.loads(state_file.read_text())
-
     @classmethod
     def resume(
         cls,
@@ -526,28 +661,36 @@ class Trainer:
     ) -> Trainer:
         """A trainer continuing the checkpoint in ``folder`` (as written by :meth:`save`);
         ``changes`` may only raise ``steps``; ``options``: the constructor's keyword
-        arguments besides the config (where the run executes, not what it computes)."""
-        folder = Path(folder)
-        state = cls.read_state(folder)
-        data = state["rl_config"]
+        arguments besides the config (where the run executes, not what it computes).
+
+        The whole checkpoint is checked first (:mod:`glmport.rl.checkpoint`): a damaged
+        one is a :class:`ConfigError` naming the file and the field, and nothing of it
+        is loaded."""
         if set(changes) - {"steps"}:
             raise ConfigError(f"resume may change only steps, got {sorted(changes)}")
-        config = RLConfig.from_json({**data, **changes})
-        trainer = cls(config, out, **(options or {}))
-        loaded = GlmMoeDsaForCausalLM.from_pretrained(folder / "policy", dtype=torch.float32)
-        trainer.policy.load_state_dict(loaded.state_dict())
-        trainer.rollout_policy.load_state_dict(loaded.state_dict())
-        _load_optimizer(
-            trainer.optimizer,
-            load_file(str(folder / "optimizer.safetensors")),
-            state["optimizer_param_groups"],
-        )
-        trainer.step_index, trainer.version = state["step"], state["policy_version"]
-        trainer._restore(state)
-        if trainer.step_index > config.steps:
+        saved = read_state(folder)
+        config = saved.config
+        if config.mode != cls.MODE:
             raise ConfigError(
-                f"the checkpoint is at step {trainer.step_index}, past steps={config.steps}"
+                f"{saved.file}: rl_config.mode is {config.mode!r}; {cls.__name__} resumes mode "
+                f"{cls.MODE!r} runs"
             )
+        if changes:
+            config = RLConfig.from_json({**config.to_json(), **changes})
+        if saved.step > config.steps:
+            raise ConfigError(f"the checkpoint is at step {saved.step}, past steps={config.steps}")
+        trainer = cls(config, out, **(options or {}))
+        try:
+            weights = read_weights(saved, trainer.policy, trainer.optimizer)
+            extra = trainer._check_extra(saved)
+        except BaseException:
+            trainer.close()
+            raise
+        trainer.policy.load_state_dict(weights.policy)
+        trainer.rollout_policy.load_state_dict(weights.policy)
+        trainer.optimizer.load_state_dict(weights.optimizer)
+        trainer.step_index = trainer.version = saved.step
+        trainer._restore(extra)
         return trainer
 
 
@@ -560,11 +703,3 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
         for name, value in per_param.items()
     }
     return tensors, state["param_groups"]
-
-
-def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, groups: list) -> None:
-    per_param: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        per_param.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": per_param, "param_groups": groups})

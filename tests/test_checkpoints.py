@@ -5,15 +5,21 @@ at construction, one line naming the field."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from crash_points import Killed, die_at
+from hang_guard import guard_s
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -334,6 +340,59 @@ def test_a_failed_rename_into_place_restores_the_old_checkpoint(tmp_path, monkey
     assert _digest(folder) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     _assert_loads_as(folder, old)
+
+
+def _side_folders(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def test_a_save_killed_at_any_point_loads_as_the_old_or_the_new_checkpoint(tmp_path, monkeypatch):
+    """Every step of the publish protocol: a process killed before it leaves side
+    folders that the next load turns back into one whole version (the new one once it
+    was renamed in), and the next save removes whatever is left."""
+    old, new = _model(0), _model(1)
+    old.save_pretrained(tmp_path / "probe" / "ckpt")
+    with monkeypatch.context() as m:
+        full = die_at(m, 10**9, weights_module)
+        new.save_pretrained(tmp_path / "probe" / "ckpt")
+    renamed_in = full.index("rename", ".ckpt.tmp-")
+    steps = len(full.seen)
+    assert steps >= 8  # mkdir, writes, fsyncs, two renames, rmtree, ...
+    for k in range(steps + 1):
+        folder = tmp_path / f"kill{k}" / "ckpt"
+        old.save_pretrained(folder)
+        with monkeypatch.context() as m:
+            ops = die_at(m, k, weights_module)
+            with contextlib.suppress(Killed):
+                new.save_pretrained(folder)
+        assert len(ops.seen) >= min(k + 1, steps)
+        _assert_loads_as(folder, new if k > renamed_in else old)
+        assert not [n for n in _side_folders(folder.parent) if ".old-" in n], k
+        new.save_pretrained(folder)
+        assert sorted(p.name for p in folder.parent.iterdir()) == ["ckpt"], k
+        _assert_loads_as(folder, new)
+
+
+def test_a_really_killed_save_is_recovered(tmp_path):
+    """The same with a real SIGKILL between the move aside and the rename in: the
+    kernel drops the dead save's locks, so the next load restores the old version."""
+    folder = tmp_path / "ckpt"
+    _model(0).save_pretrained(folder)
+    script = f"""
+import os, signal
+from glmport.model import GlmMoeDsaForCausalLM
+real = os.rename
+def rename(src, dst):
+    if ".ckpt.tmp-" in str(src):  # the rename in: the old version is aside already
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(src, dst)
+os.rename = rename
+GlmMoeDsaForCausalLM.from_config("tiny", seed=1).save_pretrained({str(folder)!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], timeout=guard_s(10), check=False)
+    assert done.returncode == -signal.SIGKILL
+    assert not folder.exists() and any(".old-" in n for n in _side_folders(tmp_path))
+    _assert_loads_as(folder, _model(0))
 
 
 def test_sharded_then_unsharded_save_loads_the_new_weights(tmp_path):

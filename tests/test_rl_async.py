@@ -1,6 +1,7 @@
 """Asynchronous RL: AReaL's capacity rule, the group ledger's audit, rollout workers
-(in-process), and the Ray trainer: a worker killed mid-run loses no group and trains none
-twice, a resumed run continues the ledger, the CLI."""
+(in-process), and the Ray trainer: weight updates, a worker killed mid-run and a
+restart of the trainer in one run lose no group and train none twice, a resumed run
+continues the ledger, the CLI."""
 
 from __future__ import annotations
 
@@ -182,44 +183,71 @@ def _ledger(folder):
     return GroupLedger.read(folder / "ledger.jsonl")
 
 
-def test_a_killed_worker_loses_no_group_and_trains_none_twice(ray_local, tmp_path):
+def test_a_weight_update_a_worker_kill_and_a_restart_lose_no_group_and_train_none_twice(
+    ray_local, tmp_path
+):
+    """One run through the three events: weight updates every step (each interrupts
+    the rollouts of the older version), worker 0 killed while a rollout runs, and the
+    trainer process dying after a checkpoint (its workers with it, no clean shutdown),
+    then restarted with --resume on fresh workers. The ledger over the whole run
+    trains every group at most once and loses none."""
     from glmport.rl.async_trainer import AsyncTrainer
 
     # Rollout calls of 4 groups x 8 samples x 6 tokens: long enough for a kill to land
     # while one runs.
     config = small(steps=1000, task_args={"digits": 6}, group_size=8)
-    with AsyncTrainer(config, tmp_path, max_restarts=2, groups_per_call=4) as trainer:
+    options = dict(max_restarts=2, groups_per_call=4)
+    trainer = AsyncTrainer(config, tmp_path, **options)
+    trainer.step()
+    on_victim = []
+    while not on_victim and trainer.step_index < 20:
         trainer.step()
-        on_victim = []
-        while not on_victim and trainer.step_index < 20:
-            trainer.step()
-            mine = [ref for ref, (_, i) in trainer._in_flight.items() if i == 0]
-            if mine:
-                _, running = ray_local.wait(mine, num_returns=len(mine), timeout=0)
-                on_victim = [g for ref in running for g in trainer._in_flight[ref][0]]
-        assert on_victim, "worker 0 has groups in flight"
-        killed_at = len(trainer.ledger.records)
-        ray_local.kill(trainer.workers[0], no_restart=False)
+        mine = [ref for ref, (_, i) in trainer._in_flight.items() if i == 0]
+        if mine:
+            _, running = ray_local.wait(mine, num_returns=len(mine), timeout=0)
+            on_victim = [g for ref in running for g in trainer._in_flight[ref][0]]
+    assert on_victim, "worker 0 has groups in flight"
+    killed_at = len(trainer.ledger.records)
+    ray_local.kill(trainer.workers[0], no_restart=False)
 
-        def came_back() -> bool:
-            later = trainer.ledger.records[killed_at:]
-            return any(r["event"] == "returned" and r["worker"] == 0 for r in later)
+    def came_back() -> bool:
+        """The kill cost worker 0's call (``failed``) and the restarted worker sampled."""
+        events = [(r["event"], r.get("worker")) for r in trainer.ledger.records[killed_at:]]
+        if ("failed", 0) not in events:
+            return False
+        return ("returned", 0) in events[events.index(("failed", 0)) :]
 
-        # Train on until Ray has restarted worker 0 and it sampled again (seconds; under
-        # load, a new process takes a while to import torch).
-        deadline = time.monotonic() + guard_s(30)
-        while not (came_back() and trainer.step_index > 4) and time.monotonic() < deadline:
-            trainer.step()
-        assert came_back(), "worker 0 came back after the kill"
-        steps = trainer.step_index
+    # Train on until Ray has restarted worker 0 and it sampled again (seconds; under
+    # load, a new process takes a while to import torch).
+    deadline = time.monotonic() + guard_s(30)
+    while not (came_back() and trainer.step_index > 4) and time.monotonic() < deadline:
+        trainer.step()
+    assert came_back(), "worker 0 came back after the kill"
+    trainer.save()  # the failures are in the checkpoint's part of the ledger
+    saved_step, saved_records = trainer.step_index, len(trainer.ledger.records)
+    trainer.step()  # trained, then lost with the process: the resumed run redoes it
+    for worker in trainer.workers:  # the process dies: its actors go, nothing is closed
+        ray_local.kill(worker, no_restart=True)
+    trainer.ledger.close()
+
+    with AsyncTrainer.resume(tmp_path / "checkpoint", tmp_path, options=options) as again:
+        assert again.step_index == saved_step
+        while again.step_index < saved_step + 2:
+            again.step()
+        steps = again.step_index
     records = _ledger(tmp_path)
-    counts = audit(records)
+    counts = audit(records)  # raises on a group trained twice, or issued and lost
     assert counts["trained"] == steps * config.prompts_per_step
     failed = {r["group"] for r in records[killed_at:] if r["event"] == "failed"}
     assert failed, "the kill cost the groups in flight on worker 0"
     trained = {r["group"] for r in records if r["event"] == "trained"}
     pending = {r["group"] for r in records if r["event"] == "pending"}
     assert failed | {s.group_id for s in on_victim} <= trained | pending
+    # Weights were published every step before the restart, and the resumed run
+    # published its checkpoint's to the fresh workers.
+    versions = [r["version"] if r["event"] == "returned" else None for r in records]
+    assert len(set(versions[:saved_records]) - {None}) > 2
+    assert saved_step in versions[saved_records:]
     # Nothing trained was staler than the bound.
     stale = [r["staleness"] for r in records if r["event"] == "trained"]
     assert max(stale) <= config.max_staleness
@@ -292,7 +320,11 @@ def test_bad_async_settings_are_clear_errors(changes, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--ray-address", "auto"], "--ray-address / --worker-threads need --mode async"),
+        (["--ray-address", "auto"], "--ray-address: options of --mode async (this run: sync)"),
+        (["--max-staleness", "4"], "--max-staleness: options of --mode async"),
+        (["--rollout-workers", "3", "--publish-every", "1"], "--rollout-workers, --publish-every"),
+        (["--mode", "async", "--worker-threads", "100000"], "worker_threads must be an int <="),
+        (["--mode", "async", "--rollout-workers", "1000000"], "rollout_workers must be an int <="),
         (["--mode", "async", "--async-loss", "ppo"], "invalid choice: 'ppo'"),
     ],
 )

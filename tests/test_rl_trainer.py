@@ -4,6 +4,7 @@ the mismatch (smaller with replay), on-policy distillation, the control, the CLI
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -130,8 +131,8 @@ def test_shuffled_control_reports_the_true_reward():
         ({"rollout_dtype": "int8"}, "rollout_dtype must be one of"),
         ({"replay": ("experts",)}, "unknown replay kinds"),
         ({"opd_teacher": "/nonexistent"}, "not a checkpoint folder"),
-        ({"lr": 0.0}, "lr must be finite and > 0"),
-        ({"kl_coef": -1.0}, "kl_coef must be finite and >= 0"),
+        ({"lr": 0.0}, r"lr must be a number in \(0, inf\)"),
+        ({"kl_coef": -1.0}, r"kl_coef must be a number in \[0, inf\)"),
     ],
 )
 def test_bad_config_is_a_clear_error(changes, message):
@@ -191,6 +192,19 @@ def test_cli_trains_writes_outputs_and_resumes(tmp_path, capsys):
         (["--replay", "experts"], "unknown replay kinds"),
         (["--model", "hidden_sizes=3"], "unknown GlmMoeDsaConfig fields"),
         (["--resume"], "not an RL checkpoint"),
+        (["--group-size", "1"], "group_size must be an int >= 2"),
+        (["--replay", "routing,routing"], "replay names a kind twice"),
+        (["--seed", str(1 << 64)], "64 bits"),
+        (["--steps", "1e30"], "invalid int value: '1e30'"),
+        (["--steps", str(10**30)], "steps must be an int <= 1000000000"),
+        (["--prompts", str(10**11)], "prompts_per_step must be an int <= 65536"),
+        (["--prompts", "4096", "--group-size", "64"], "exceeds 65536 samples a step"),
+        (["--digits", "100000"], "--digits: expected an integer from 1 to 64"),
+        (["--digits", "64", "--prompts", "4096", "--group-size", "16"], "exceeds 4194304 tokens"),
+        (["--temperature", "1e-300"], "temperature must be a number in [1e-06, 1e+06]"),
+        (["--eval-every", str(10**12)], "eval_every must be an int <= 1000000000"),
+        (["--kl-decay-steps", str(1 << 70)], "kl_decay_steps must be an int <= 1000000000"),
+        (["--model", "hidden_size=-1"], "hidden_size"),
     ],
 )
 def test_cli_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
@@ -203,3 +217,47 @@ def test_cli_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
     assert code == 2
     assert err.startswith("glmport: error:") and err.count("\n") == 1
     assert message in err
+    assert not (tmp_path / "x").exists()  # refused before any work
+
+
+def test_cli_resume_refuses_changed_settings_and_keeps_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["rl", "train", "--out", str(out), "--quiet", "--steps", "1", "--prompts", "2"]
+    args += ["--group-size", "2", "--digits", "2", "--eval-every", "0", "--seed", "5"]
+    assert main(args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    resume = ["rl", "train", "--out", str(out), "--quiet", "--resume"]
+    for changed, flag in (
+        (["--seed", "6"], "--seed 6 (the run: 5)"),
+        (["--lr", "0.01"], "--lr 0.01 (the run: 0.002)"),
+        (["--prompts", "3"], "--prompts 3 (the run: 2)"),
+        (["--digits", "3"], "--digits {'digits': 3}"),
+        (["--no-normalize-std"], "--normalize-std False"),
+        (["--max-staleness", "4"], "--max-staleness: options of --mode async"),
+    ):
+        assert main([*resume, *changed]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and flag in err, err
+    # The same values as the run's, and a new --steps, are a resume.
+    assert main([*resume, "--seed", "5", "--prompts", "2", "--digits", "2", "--steps", "2"]) == 0
+    assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == [1, 2]
+    assert before["metrics.jsonl"] == (out / "metrics.jsonl").read_bytes().splitlines(True)[0]
+
+
+def test_a_fresh_run_never_overwrites_a_run(tmp_path):
+    out = tmp_path / "run"
+    config = small(steps=1, eval_every=0, prompts_per_step=2, group_size=2)
+    train(config, out, progress=False)
+    metrics = (out / "metrics.jsonl").read_bytes()
+    # A crash mid-save left the checkpoint moved aside: the run is still there.
+    (out / "checkpoint").rename(out / ".checkpoint.old-0123456789abcdef0123456789abcdef")
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoint, metrics.jsonl\)"):
+        train(config, out, progress=False)
+    assert (out / "checkpoint" / "state.json").is_file()
+    shutil.rmtree(out / "checkpoint")  # metrics alone are a run too
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl\)"):
+        train(config, out, progress=False)
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    (out / "metrics.jsonl").write_text("")  # an empty log (a start that failed) is not
+    assert len(train(config, out, progress=False)) == 1
