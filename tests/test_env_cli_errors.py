@@ -125,8 +125,8 @@ _GEN = ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens
         ([*_GEN, "--temperature", "abc"], "--temperature"),
         ([*_GEN, "--temperature", "nan"], "temperature"),
         ([*_GEN, "--temperature", "-1"], "temperature"),
-        ([*_GEN, "--top-p", "1.5"], "top_p"),
-        ([*_GEN, "--top-k", "-3"], "top_k"),
+        ([*_GEN, "--top-p", "1.5"], "--top-p"),
+        ([*_GEN, "--top-k", "-3"], "--top-k"),
         ([*_GEN, "--greedy", "--seed", "1"], "--greedy"),
         (
             ["generate", "--model", "tiny", "--input-ids", "1", "--max-new-tokens", "-1"],

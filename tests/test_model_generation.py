@@ -504,10 +504,9 @@ def test_cli_generate_text_output_and_backend(capsys):
         (["--greedy", "--temperature", "0.5"], "--greedy cannot be combined with --temperature"),
         (["--temperature", "0"], r"--temperature must be .* got 0.0 .*use --greedy\)"),
         (["--top-p", "2"], r"--top-p must be a number in \(0, 1\]"),
-        (["--max-new-tokens", "-3"], "max_new_tokens must be an int >= 0"),
         (["--model", "/nonexistent"], "--model must be 'tiny' or a checkpoint folder"),
         (["--backend", "nope"], "unknown glmport backend 'nope'"),
-        (["--speculative", "--seed", "1"], "speculative decoding is greedy only"),
+        (["--speculative", "--seed", "1"], "--speculative cannot be combined with --seed"),
     ],
 )
 def test_cli_generate_bad_arguments_exit_2_with_a_message(capsys, extra, needle):
