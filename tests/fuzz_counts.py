@@ -132,9 +132,10 @@ class Counts:
         ]
 
     def write(self, path: str) -> None:
-        """Append the counts to ``path`` (one write: two pytest-xdist workers may append
-        to the same file) and start counting afresh, so that a module whose tests a
-        worker runs in two stretches is not counted twice."""
+        """Append the counts to ``path`` in one append, not line by line (two
+        pytest-xdist workers may append to the same file), and start counting afresh,
+        so that a module whose tests a worker runs in two stretches is not counted
+        twice."""
         text = "".join(json.dumps(row) + "\n" for row in self.rows()).encode()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -144,7 +145,7 @@ class Counts:
             os.close(fd)
         self._counts.clear()
 
-    def writer(self):
+    def writer(self) -> Callable:
         """A module-scoped autouse fixture that appends the counts to ``$FUZZ_COUNTS``
         (when it is set) after the module's tests: ``_write_counts = COUNTS.writer()``."""
 
