@@ -4,22 +4,28 @@ valid command line. Each must end in one ``glmport: error:`` line naming the fla
 exit status 2, no traceback, nothing written, and before the command's first heavy step
 (stubbed: reaching it counts as accepting the value).
 
-``pytest tests/test_cli_fuzz.py -s`` prints the outcome counts."""
+The counts per command, flag and outcome (:mod:`fuzz_counts`' outcomes) are written as
+JSON lines to the file named by ``FUZZ_COUNTS`` when it is set (docs/reliability.md
+quotes them)."""
 
 from __future__ import annotations
 
 import argparse
 import re
-from collections import Counter
 from pathlib import Path
 
+import fuzz_counts
 import pytest
 from cli_cases import REFUSED, TRACEBACK, UNCLEAR, WORK_STARTED, outcome, stub_heavy_steps
+from fuzz_counts import Counts, Outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import glmport.cli as cli
 from glmport.model import GlmMoeDsaForCausalLM
+
+COUNTS = Counts("cli")
+_write_counts = COUNTS.writer()
 
 # A valid command line of each command ("{out}": a path under the test's folder).
 BASE = {
@@ -179,9 +185,27 @@ def test_every_valid_base_line_reaches_its_work(fuzz_env):
         assert got == WORK_STARTED, (argv, got, text)
 
 
-def test_every_bad_value_of_every_flag_is_refused_up_front(fuzz_env, capsys):
+# How a command line ended (cli_cases' outcomes) for a value the flag must refuse.
+_OF_A_BAD_VALUE = {
+    REFUSED: fuzz_counts.REFUSED,
+    WORK_STARTED: fuzz_counts.ACCEPTED_INVALID,
+    TRACEBACK: fuzz_counts.TRACEBACK,
+    UNCLEAR: fuzz_counts.BAD_REFUSAL,  # not one error line, or another exit status
+}
+
+
+def _bad_value_outcome(got: str, text: str, named: bool, wrote: bool) -> Outcome:
+    """A bad value's command line that ended in ``got`` (``text``: its stderr or the
+    exception): the refusal must name the flag (``named``) and write nothing."""
+    kind = _OF_A_BAD_VALUE[got]
+    if kind == fuzz_counts.REFUSED and (wrote or not named):
+        return Outcome(fuzz_counts.BAD_REFUSAL, "wrote files" if wrote else "unnamed", text)
+    return Outcome(kind, problem=text if kind != fuzz_counts.REFUSED else "")
+
+
+def test_every_bad_value_of_every_flag_is_refused_up_front(fuzz_env):
     before = _listing(fuzz_env)
-    counts: Counter = Counter()
+    refused = 0
     findings = []
     for command, parser in _parsers().items():
         for action in parser._actions:
@@ -192,16 +216,16 @@ def test_every_bad_value_of_every_flag_is_refused_up_front(fuzz_env, capsys):
             for value in [*_bad_values(command, action), "--"]:
                 argv = _command_line(command, flag, value, _partners(parser, action), fuzz_env)
                 got, text = outcome(argv)
-                counts[got] += 1
                 given = argv[-1].partition("=")[2]
                 # The message names the flag, or the value it was given (plug-ins, files)
                 named = flag in text or flag.lstrip("-") in text or repr(given) in text
                 named = named or (given != "" and given in text)
-                if got != REFUSED or not named or _listing(fuzz_env) != before:
+                result = _bad_value_outcome(got, text, named, _listing(fuzz_env) != before)
+                COUNTS.add(result, **{"class": "bad value", "command": command, "flag": flag})
+                refused += got == REFUSED
+                if result.failed:
                     findings.append((argv, got, text[:300]))
-    with capsys.disabled():
-        print(f"\nCLI fuzz: {sum(counts.values())} bad command lines: {dict(counts)}")
-    assert counts[REFUSED] > 500
+    assert refused > 500
     assert not findings, "\n".join(map(str, findings[:20]))
 
 
@@ -234,10 +258,25 @@ def test_an_integer_flag_takes_exactly_the_integers_in_its_range(fuzz_env, case,
     command, flag, kind = case
     argv = _command_line(command, flag, text, set(), fuzz_env)
     got, message = outcome(argv)
-    assert got in (REFUSED, WORK_STARTED), (argv, got, message)
+    result = _integer_outcome(got, message, flag, _valid_integer(text, kind.low, kind.high))
+    COUNTS.add(result, **{"class": "integer", "command": command, "flag": flag})
+    assert not result.failed, (argv, got, result.problem)
+
+
+def _integer_outcome(got: str, message: str, flag: str, valid: bool) -> Outcome:
+    """An integer flag's command line that ended in ``got``: a valid integer passes the
+    parser (refused later, if at all, for another reason), any other text is refused by
+    the parser's own check."""
+    if got in (TRACEBACK, UNCLEAR):
+        return Outcome(_OF_A_BAD_VALUE[got], problem=message)
     type_error = f"argument {flag}: expected" in message  # the parser's own refusal
-    if _valid_integer(text, kind.low, kind.high):
-        assert not type_error, (argv, message)  # refused later, if at all, for another reason
-    else:
-        assert got == REFUSED and type_error, (argv, got, message)
-    assert got not in (TRACEBACK, UNCLEAR)
+    if valid:
+        if type_error:
+            return Outcome(fuzz_counts.BAD_REFUSAL, "a valid integer", message)
+        later = "refused later for another reason" if got == REFUSED else ""
+        return Outcome(fuzz_counts.CORRECT, later)
+    if got == WORK_STARTED:
+        return Outcome(fuzz_counts.ACCEPTED_INVALID, problem=message)
+    if not type_error:
+        return Outcome(fuzz_counts.BAD_REFUSAL, "not by the parser's check", message)
+    return Outcome(fuzz_counts.REFUSED)

@@ -19,18 +19,25 @@ decode caches of 0 to 4 positions from the eager prefill of a random prompt) are
 
 Anything else fails: another exception type, a broken input accepted, wrong values or
 shapes. Each graph is built once for the module; the counts per runtime, graph, class
-and outcome are written as JSON lines to the file named by ``FUZZ_COUNTS``.
+and outcome (:mod:`fuzz_counts`' outcomes) are written as JSON lines to the file named
+by ``FUZZ_COUNTS``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 import torch
+from fuzz_counts import (
+    ACCEPTED_INVALID,
+    BAD_REFUSAL,
+    CORRECT,
+    REFUSED,
+    SILENT_WRONG,
+    Counts,
+    Outcome,
+)
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -78,7 +85,8 @@ DECODE_CLASSES: dict[str, str | None] = {
 }
 CLASSES = {"prefill": PREFILL_CLASSES, "decode": DECODE_CLASSES}
 
-COUNTS: Counter[tuple[str, str, str, str]] = Counter()
+COUNTS = Counts("export")
+_write_counts = COUNTS.writer()
 
 
 @dataclass
@@ -119,18 +127,6 @@ def graphs(model):
         return built[runtime, kind]
 
     return get
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _write_counts():
-    """Append this module's counts to ``$FUZZ_COUNTS`` (one JSON object a line)."""
-    yield
-    path = os.environ.get("FUZZ_COUNTS")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            for (runtime, kind, label, outcome), n in sorted(COUNTS.items()):
-                row = {"surface": "export", "runtime": runtime, "graph": kind}
-                f.write(json.dumps({**row, "class": label, "outcome": outcome, "n": n}) + "\n")
 
 
 def _eager(model: GlmMoeDsaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -217,40 +213,57 @@ def _run_raw(runtime: str, graph, inputs: tuple) -> tuple:
     return tuple(graph._main(*(to_tvm(t) for t in inputs)))
 
 
-def _outcome(runtime: str, kind: str, graph, case: Case) -> str:
+def _outcome(runtime: str, kind: str, graph, case: Case) -> Outcome:
     """Run ``case`` through glmport's runner and, where the runtime can take the
-    inputs at all, straight into the runtime; return the outcome or fail the test."""
+    inputs at all, straight into the runtime: how it ended."""
     expected = CLASSES[kind][case.label]
     try:
         out = graph.run(*case.inputs)
     except GraphInputError as err:
-        assert expected is not None, f"a valid input was refused: {err}"
-        assert err.input == expected and err.graph == kind, (
-            f"{case.label}: the error names {err.input!r}, expected {expected!r}: {err}"
-        )
-        assert f"'{expected}'" in str(err)
+        if expected is None:
+            return Outcome(BAD_REFUSAL, "GraphInputError", f"a valid input was refused: {err}")
+        if err.input != expected or err.graph != kind or f"'{expected}'" not in str(err):
+            problem = f"{case.label}: the error names {err.input!r}, expected {expected!r}: {err}"
+            return Outcome(BAD_REFUSAL, "GraphInputError", problem)
     else:
-        assert expected is None, f"{case.label}: the broken {expected!r} was accepted"
-        assert len(out) == 3
-        assert out[0].shape == case.want.shape, (out[0].shape, case.want.shape)
-        diff = float((out[0].float() - case.want.float()).abs().max())
-        assert diff <= TOLERANCE, f"logits differ from eager torch by {diff:.3g}"
-        b, s = case.want.shape[:2]
-        past = case.inputs[1].shape[2] if kind == "decode" else 0
-        for cache, width in zip(out[1:], (CONFIG.kv_lora_rank + CONFIG.qk_rope_head_dim,
-                                          CONFIG.index_head_dim), strict=True):  # fmt: skip
-            assert list(cache.shape) == [CONFIG.num_hidden_layers, b, past + s, width]
-        return "correct"
+        if expected is not None:
+            problem = f"{case.label}: the broken {expected!r} was accepted"
+            return Outcome(ACCEPTED_INVALID, problem=problem)
+        wrong = _wrong_outputs(kind, case, out)
+        return Outcome(SILENT_WRONG, problem=wrong) if wrong else Outcome(CORRECT)
     if case.label in ("not a tensor", "arity"):
-        return "refused (no bare run: not a set of tensors)"
+        return Outcome(REFUSED, "no bare run: not a set of tensors")
     try:
         _run_raw(runtime, graph, case.inputs)
     except Exception as err:  # the runtime's own error type: what its users get
-        if _guarded_in_graph(runtime, kind, case.label):
-            assert "glmport guard" in str(err), f"{case.label}: not the graph's guard: {err}"
-            return "refused; bare runtime stopped by a glmport guard"
-        return "refused; bare runtime stopped by its own input check"
-    pytest.fail(f"{case.label}: the bare {runtime} graph ran on the broken input")
+        if not _guarded_in_graph(runtime, kind, case.label):
+            return Outcome(REFUSED, "bare runtime stopped by its own input check")
+        if "glmport guard" not in str(err):
+            problem = f"{case.label}: not the graph's guard: {err}"
+            return Outcome(BAD_REFUSAL, "bare runtime stopped by its own input check", problem)
+        return Outcome(REFUSED, "bare runtime stopped by a glmport guard")
+    problem = f"{case.label}: the bare {runtime} graph ran on the broken input"
+    return Outcome(ACCEPTED_INVALID, "bare runtime ran it", problem)
+
+
+def _wrong_outputs(kind: str, case: Case, out: tuple) -> str | None:
+    """What is wrong with the graph's outputs ``out`` for the valid ``case``, or None:
+    three outputs, the eager logits within :data:`TOLERANCE`, caches of the right
+    shapes."""
+    if len(out) != 3:
+        return f"{len(out)} outputs, not 3"
+    if out[0].shape != case.want.shape:
+        return f"logits of shape {list(out[0].shape)}, not {list(case.want.shape)}"
+    diff = float((out[0].float() - case.want.float()).abs().max())
+    if not diff <= TOLERANCE:
+        return f"logits differ from eager torch by {diff:.3g}"
+    b, s = case.want.shape[:2]
+    past = case.inputs[1].shape[2] if kind == "decode" else 0
+    for cache, width in zip(out[1:], (CONFIG.kv_lora_rank + CONFIG.qk_rope_head_dim,
+                                      CONFIG.index_head_dim), strict=True):  # fmt: skip
+        if list(cache.shape) != [CONFIG.num_hidden_layers, b, past + s, width]:
+            return f"a cache of shape {list(cache.shape)}"
+    return None
 
 
 def _guarded_in_graph(runtime: str, kind: str, label: str) -> bool:
@@ -286,15 +299,8 @@ def _fuzz(model, runtime: str, kind: str, graph, label: str) -> None:
     )
     @given(case=cases(model, kind, label))
     def prop(case: Case) -> None:
-        try:
-            outcome = _outcome(runtime, kind, graph, case)
-        except AssertionError:
-            COUNTS[(runtime, kind, label, "FAILED")] += 1
-            raise
-        except Exception as err:
-            COUNTS[(runtime, kind, label, f"crash ({type(err).__name__})")] += 1
-            raise AssertionError(f"{label}: untyped {type(err).__name__}: {err}") from err
-        COUNTS[(runtime, kind, label, outcome)] += 1
-        event(outcome)
+        where = {"runtime": runtime, "graph": kind, "class": label}
+        outcome = COUNTS.observe(lambda: _outcome(runtime, kind, graph, case), label, **where)
+        event(str(outcome))
 
     prop()

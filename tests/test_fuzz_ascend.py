@@ -15,20 +15,20 @@ layouts: contiguous, strided and broadcast (:mod:`glmport.conformance.layouts`),
 transposed, sliced. The only allowed outcome is the cpu reference's float64 result
 within the op's tolerance (its conformance judge).
 
-The counts per op and outcome are written as JSON lines to the file named by
-``FUZZ_COUNTS`` when it is set (docs/reliability.md quotes them); ``FUZZ_EXAMPLES``
-sets the examples per op (60).
+The counts per op, path (adapter or fallback) and outcome (:mod:`fuzz_counts`'
+outcomes) are written as JSON lines to the file named by ``FUZZ_COUNTS`` when it is
+set (docs/reliability.md quotes them); ``FUZZ_EXAMPLES`` sets the examples per op (60).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from collections.abc import Callable
 
 import pytest
 import torch
+from fuzz_counts import BAD_REFUSAL, CORRECT, SILENT_WRONG, TRACEBACK, Counts, Outcome
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +40,7 @@ from glmport.conformance.cases import Case
 from glmport.conformance.judges import JUDGE_OF_OP, JUDGES, Verdict
 from glmport.conformance.layouts import relayout
 from glmport.conformance.runner import _reference
-from glmport.core.errors import OpInputError
+from glmport.core.errors import GlmportError, OpInputError
 from glmport.core.formats import FLOAT_WEIGHT, SCHEMES, quantize_tensor
 from glmport.core.specs import OP_NAMES, SPECS
 from glmport.core.validate import Level
@@ -53,7 +53,8 @@ INDEX = (torch.int32, torch.int64)
 LAYOUTS = ("contiguous", "contiguous", "strided", "broadcast", "transposed", "sliced")
 # Examples per op: the module runs in about 30 s on one core; FUZZ_EXAMPLES sets more.
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
-COUNTS: Counter[tuple[str, str]] = Counter()
+COUNTS = Counts("ascend adapters")
+_write_counts = COUNTS.writer()
 
 
 class Draw:
@@ -409,16 +410,20 @@ def _inside_limits(op: str, args: tuple) -> bool:
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _write_counts():
-    """Append this module's counts to ``$FUZZ_COUNTS`` (one JSON object a line)."""
-    yield
-    path = os.environ.get("FUZZ_COUNTS")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            for (op, outcome), n in sorted(COUNTS.items()):
-                row = {"op": op, "backend": "ascend (emulated)", "outcome": outcome, "n": n}
-                f.write(json.dumps(row) + "\n")
+def _outcome(op: str, args: tuple, dtype: torch.dtype) -> Outcome:
+    """Run the valid call ``op(*args)`` on the emulated ascend backend: correct or a
+    failure (an NpuContractError the adapter let out, any refusal, a wrong value)."""
+    try:
+        with glmport.use_backend("ascend", emulate=True):
+            outs = getattr(glmport.ops, op)(*args)
+    except NpuContractError as err:
+        problem = f"an NpuContractError reached a valid call: {err}"
+        return Outcome(TRACEBACK, "NpuContractError", problem)
+    except GlmportError as err:
+        error = type(err).__name__
+        return Outcome(BAD_REFUSAL, error, f"a valid call raised {error}: {err}")
+    verdict = _judge(op, dtype, args, outs)
+    return Outcome(CORRECT) if verdict.ok else Outcome(SILENT_WRONG, problem=verdict.reason)
 
 
 def test_every_op_is_fuzzed():
@@ -439,23 +444,10 @@ def test_no_npu_contract_error_reaches_a_valid_call(op: str) -> None:
     @given(call=calls(op))
     def prop(call) -> None:
         name, args, dtype = call
-        where = "adapter" if _inside_limits(name, args) else "fallback"
-        try:
-            with glmport.use_backend("ascend", emulate=True):
-                outs = getattr(glmport.ops, name)(*args)
-        except NpuContractError as err:
-            COUNTS[(name, "NpuContractError")] += 1
-            raise AssertionError(f"an NpuContractError reached a valid call: {err}") from err
-        except Exception as err:
-            COUNTS[(name, f"error ({type(err).__name__})")] += 1
-            raise AssertionError(f"a valid call raised {type(err).__name__}: {err}") from err
-        verdict = _judge(name, dtype, args, outs)
-        if not verdict.ok:
-            COUNTS[(name, "wrong")] += 1
-        assert verdict.ok, verdict.reason
-        COUNTS[(name, f"correct ({where})")] += 1
-        inside[where] += 1
-        event(where)
+        path = "adapter" if _inside_limits(name, args) else "fallback"
+        COUNTS.observe(lambda: _outcome(name, args, dtype), name, op=name, path=path)
+        inside[path] += 1
+        event(path)
 
     prop()
     if op in BACKEND.manifest.ops:  # most draws must reach the adapter

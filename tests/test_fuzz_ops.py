@@ -26,21 +26,29 @@ The only allowed outcomes:
   broken argument.
 
 Anything else fails: another exception type, a silently accepted bad input, wrong
-values. The counts per op, backend, class and outcome are written as JSON lines to
-the file named by ``FUZZ_COUNTS`` when it is set (docs/reliability.md quotes them).
+values. The counts per op, backend, class and outcome (:mod:`fuzz_counts`' outcomes)
+are written as JSON lines to the file named by ``FUZZ_COUNTS`` when it is set
+(docs/reliability.md quotes them).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
+from fuzz_counts import (
+    ACCEPTED_INVALID,
+    BAD_REFUSAL,
+    CORRECT,
+    REFUSED,
+    SILENT_WRONG,
+    SURFACES,
+    Counts,
+    Outcome,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -53,7 +61,7 @@ from glmport.core.specs import OP_NAMES, SPECS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BACKENDS = ("generic", "cpu", "cuda", "ascend", "onnxruntime", "tvm")
+BACKENDS = SURFACES["ops"].values  # generic, cpu, cuda, ascend, onnxruntime, tvm
 EMULATED = ("cuda", "ascend")  # the Triton interpreter, the torch_npu emulator
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INDEX = (torch.int32, torch.int64)
@@ -80,7 +88,8 @@ TINY = {torch.float32: 1e-30, torch.bfloat16: 1e-30, torch.float16: 1e-3, FP8_DT
 # or an OpInputError saying what would overflow.
 NEAR_MAX = {dt: torch.finfo(dt).max / 2 for dt in (*FLOATS, FP8_DTYPE)}
 
-COUNTS: Counter[tuple[str, str, str, str]] = Counter()
+COUNTS = Counts("ops")
+_write_counts = COUNTS.writer()
 
 
 @dataclass
@@ -766,49 +775,47 @@ def _tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def _outcome(call: Call, backend: str) -> str:
-    """Run ``call`` on ``backend``; return the outcome, or fail the test."""
+def _refusal(call: Call, err: GlmportError) -> Outcome:
+    """``call``'s refusal ``err``, judged: a ``bad:*`` call must be refused by an
+    OpInputError naming the op and a broken argument; an ``edge:*`` call may be refused
+    by any glmport error (an OpInputError naming the op); an ``ok`` call never."""
+    error = type(err).__name__
+    if call.bad:
+        if isinstance(err, OpInputError) and err.op == call.op and err.arg in call.bad:
+            return Outcome(REFUSED, error)
+        if isinstance(err, OpInputError):
+            named = f"the error names {err.op}/{err.arg!r}, expected {call.op}/{call.bad}"
+        else:
+            named = f"{error} instead of an OpInputError naming {call.bad}"
+        return Outcome(BAD_REFUSAL, error, f"{call.label}: {named}: {err}")
+    if not call.label.startswith("edge:"):
+        return Outcome(BAD_REFUSAL, error, f"an ordinary valid call was refused: {err}")
+    if isinstance(err, OpInputError) and f"glmport.ops.{call.op}" not in str(err):
+        return Outcome(BAD_REFUSAL, error, f"the refusal does not name the op: {err}")
+    return Outcome(REFUSED, error)
+
+
+def _outcome(call: Call, backend: str) -> Outcome:
+    """Run ``call`` on ``backend``: how it ended (a failure says what is wrong)."""
     try:
         with glmport.use_backend(backend, emulate=backend in EMULATED):
             out = getattr(glmport.ops, call.op)(*call.args)
-    except OpInputError as err:
-        if call.bad:
-            assert err.op == call.op and err.arg in call.bad, (
-                f"{call.label}: the error names {err.op}/{err.arg!r}, expected "
-                f"{call.op}/{call.bad}: {err}"
-            )
-            return "OpInputError"
-        assert call.label.startswith("edge:"), f"an ordinary valid call was refused: {err}"
-        assert f"glmport.ops.{call.op}" in str(err), f"the refusal does not name the op: {err}"
-        return "refused (OpInputError)"
     except GlmportError as err:
-        assert not call.bad and call.label.startswith("edge:"), (
-            f"{call.label}: {type(err).__name__} instead of an OpInputError naming "
-            f"{call.bad or 'nothing'}: {err}"
+        return _refusal(call, err)
+    if call.bad:
+        return Outcome(
+            ACCEPTED_INVALID, problem=f"{call.label}: the bad argument {call.bad[0]!r} was accepted"
         )
-        return f"refused ({type(err).__name__})"
-    assert not call.bad, f"{call.label}: the bad argument {call.bad[0]!r} was accepted"
     outs = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
     verdict = _judge(call, outs, _reference(call))
-    assert verdict.ok, f"{call.label} on {backend}: {verdict.reason}"
-    return "correct"
+    if not verdict.ok:
+        return Outcome(SILENT_WRONG, problem=f"{call.label} on {backend}: {verdict.reason}")
+    return Outcome(CORRECT)
 
 
 def _example_count(backend: str, label: str) -> int:
     ok, edge, bad = EXAMPLES[backend]
     return ok if label == "ok" else edge if label.startswith("edge:") else bad
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _write_counts():
-    """Append this module's counts to ``$FUZZ_COUNTS`` (one JSON object a line)."""
-    yield
-    path = os.environ.get("FUZZ_COUNTS")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            for (op, backend, label, outcome), n in sorted(COUNTS.items()):
-                row = {"op": op, "backend": backend, "class": label, "outcome": outcome, "n": n}
-                f.write(json.dumps(row) + "\n")
 
 
 def test_every_op_is_fuzzed():
@@ -827,16 +834,8 @@ def test_fuzz(op: str, label: str, backend: str) -> None:
     )
     @given(call=calls(op, label))
     def prop(call: Call) -> None:
-        try:
-            outcome = _outcome(call, backend)
-        except AssertionError:
-            COUNTS[(op, backend, label, "FAILED")] += 1
-            event("FAILED")
-            raise
-        except Exception as err:
-            COUNTS[(op, backend, label, f"crash ({type(err).__name__})")] += 1
-            raise AssertionError(f"{label}: untyped {type(err).__name__}: {err}") from err
-        COUNTS[(op, backend, label, outcome)] += 1
-        event(outcome)
+        where = {"op": op, "backend": backend, "class": label}
+        outcome = COUNTS.observe(lambda: _outcome(call, backend), label, **where)
+        event(str(outcome))
 
     prop()

@@ -11,10 +11,11 @@ resumes the run (``glmport.rl.run.train(resume=True)``, the path of ``glmport rl
 --resume``) and must end in a one-line ``ConfigError`` naming the damaged file and
 field, with the run folder unchanged (nothing loaded, trained or written).
 
-The outcome of each case (``refused``, ``refused-unnamed``: a ConfigError that does not
-name the file and field, ``modified``: refused after changing the folder,
-``accepted``, ``traceback``: any other exception) is counted; ``FUZZ_COUNTS=path``
-appends the counts as JSON lines (docs/reliability.md quotes them).
+The outcome of each case (:mod:`fuzz_counts`' ``refused``; ``bad refusal``: a
+ConfigError that does not name the file and field in one line, or refused after
+changing the folder; ``accepted invalid``; ``traceback``: any other exception) is
+counted; ``FUZZ_COUNTS=path`` appends the counts as JSON lines (docs/reliability.md
+quotes them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import json
 import math
 import os
 import shutil
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from crash_points import Killed, die_at
+from fuzz_counts import ACCEPTED_INVALID, BAD_REFUSAL, REFUSED, TRACEBACK, Counts, Outcome
 from safetensors.torch import load_file, save_file
 
 from glmport.cli import main
@@ -45,7 +46,8 @@ from glmport.rl.run import train
 from glmport.rl.staleness import GroupLedger
 from glmport.rl.trainer import RLConfig, Trainer
 
-COUNTS: Counter = Counter()
+COUNTS = Counts("rl checkpoints")
+_write_counts = COUNTS.writer()
 
 
 def _config(**changes) -> RLConfig:
@@ -519,36 +521,21 @@ def _damaged(runs: dict[str, Path], tmp_path: Path, damage: Damage) -> Path:
     return run
 
 
-def outcome(run: Path, damage: Damage) -> tuple[str, str]:
-    """Resume ``run`` as ``glmport rl train --resume`` does; the outcome and message."""
+def outcome(run: Path, damage: Damage) -> Outcome:
+    """Resume ``run`` as ``glmport rl train --resume`` does: how it ended."""
     before = _digest(run.parent)
     try:
         train(None, run, resume=True, progress=False)
     except ConfigError as err:
         message = str(err)
         if _digest(run.parent) != before:
-            return "modified", message
-        named = damage.file in message and damage.field in message and "\n" not in message
-        return ("refused" if named else "refused-unnamed"), message
+            return Outcome(BAD_REFUSAL, "changed the run folder", message)
+        if damage.file not in message or damage.field not in message or "\n" in message:
+            return Outcome(BAD_REFUSAL, "not one line naming the file and field", message)
+        return Outcome(REFUSED)
     except Exception as err:  # counted; the test then fails on it
-        return "traceback", f"{type(err).__name__}: {err}"
-    return "accepted", ""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _write_counts():
-    """Append this module's outcome counts to ``$FUZZ_COUNTS``."""
-    yield
-    path = os.environ.get("FUZZ_COUNTS")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            for (kind, result), n in sorted(COUNTS.items()):
-                f.write(
-                    json.dumps(
-                        {"surface": "rl-checkpoint", "class": kind, "outcome": result, "n": n}
-                    )
-                    + "\n"
-                )
+        return Outcome(TRACEBACK, type(err).__name__, f"{type(err).__name__}: {err}")
+    return Outcome(ACCEPTED_INVALID, problem=f"the damaged {damage.name} was resumed as if valid")
 
 
 def test_the_generator_covers_every_file_and_field():
@@ -562,9 +549,9 @@ def test_the_generator_covers_every_file_and_field():
 @pytest.mark.parametrize("damage", DAMAGES, ids=[d.name for d in DAMAGES])
 def test_a_damaged_checkpoint_is_refused_naming_file_and_field(runs, tmp_path, damage):
     run = _damaged(runs, tmp_path, damage)
-    result, message = outcome(run, damage)
-    COUNTS[(":".join(damage.name.split(":")[:2]), result)] += 1
-    assert result == "refused", f"{result}: {message}"
+    result = outcome(run, damage)
+    COUNTS.add(result, **{"class": ":".join(damage.name.split(":")[:2])})
+    assert not result.failed, f"{result}: {result.problem}"
 
 
 @pytest.mark.parametrize("run", ["sync", "async"])

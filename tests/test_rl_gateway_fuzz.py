@@ -20,8 +20,9 @@ ranges), not by the gateway. The only allowed outcomes: an acceptable request is
 answered (200, output ids in the vocabulary, at most ``max_new_tokens`` of them,
 ending at the first stop token, every log-prob finite and <= 0); any other gets a 4xx
 whose JSON ``detail`` names what was wrong (the field, for a body). Never a 5xx, never
-a traceback in the server's log. Counts per class and outcome go, as JSON lines, to
-the file named by ``FUZZ_COUNTS`` when it is set (docs/reliability.md quotes them);
+a traceback in the server's log. Counts per class, status and outcome
+(:mod:`fuzz_counts`' outcomes) go, as JSON lines, to the file named by
+``FUZZ_COUNTS`` when it is set (docs/reliability.md quotes them);
 ``GATEWAY_FUZZ_EXAMPLES`` sets the examples per class (default 60).
 """
 
@@ -31,9 +32,19 @@ import json
 import logging
 import math
 import os
-from collections import Counter
 
 import pytest
+from fuzz_counts import (
+    ACCEPTED_INVALID,
+    BAD_REFUSAL,
+    CORRECT,
+    REFUSED,
+    SERVER_ERROR,
+    SILENT_WRONG,
+    TRACEBACK,
+    Counts,
+    Outcome,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -51,7 +62,8 @@ NEW_TOKENS_LIMIT = 1024  # the gateway's default max_new_tokens limit
 MAX_STOP = 64
 BODY_LIMIT = 12 * CONTEXT + (64 << 10)  # the default body limit
 SESSIONS = ("a", "b", "c")
-COUNTS: Counter[tuple[str, str]] = Counter()
+COUNTS = Counts("gateway")
+_write_counts = COUNTS.writer()
 
 # -- the documented contract, restated ---------------------------------------------------
 
@@ -301,18 +313,6 @@ def client():
         pool.close()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _write_counts():
-    """Append this module's counts to ``$FUZZ_COUNTS`` (one JSON object a line)."""
-    yield
-    path = os.environ.get("FUZZ_COUNTS")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            for (label, outcome), n in sorted(COUNTS.items()):
-                row = {"surface": "gateway", "class": label, "outcome": outcome, "n": n}
-                f.write(json.dumps(row) + "\n")
-
-
 def _check_answer(body: dict, reply: dict) -> str | None:
     """What is wrong with a 200 answer to ``body``, or None."""
     out, logp = reply.get("output_ids"), reply.get("output_logprobs")
@@ -347,38 +347,39 @@ class Server:
         logged = [
             r for r in self.caplog.records[records:] if r.exc_info or r.levelno >= logging.ERROR
         ]
-        outcome, why = self._outcome(reply, body, must)
+        outcome = self._outcome(reply, body, must)
         if logged:
-            outcome, why = "traceback", logged[0].getMessage()
-        COUNTS[(label, outcome)] += 1
-        assert outcome in ("answered", "refused naming it"), (
-            f"{label} {outcome}: {why}; {raw[:300]!r}"
-        )
-        if outcome == "answered" and body is not None:
+            outcome = Outcome(TRACEBACK, "in the server's log", logged[0].getMessage())
+        COUNTS.add(outcome, **{"class": label, "status": reply.status_code})
+        assert not outcome.failed, f"{label} {outcome}: {outcome.problem}; {raw[:300]!r}"
+        if outcome.kind == CORRECT and body is not None:
             self.held[body["session_id"]] = body["input_ids"] + reply.json()["output_ids"]
 
-    def _outcome(self, reply, body, must: str) -> tuple[str, str]:
+    def _outcome(self, reply, body, must: str) -> Outcome:
         if reply.status_code >= 500:
-            return "5xx", reply.text[:300]
+            return Outcome(SERVER_ERROR, problem=f"{reply.status_code}: {reply.text[:300]}")
+        broken = "request" if must else problem(body)
         try:
             data = reply.json()
         except ValueError:
-            return "not JSON", reply.text[:300]
-        broken = "request" if must else problem(body)
+            kind = ACCEPTED_INVALID if broken else SILENT_WRONG  # taken, if a 200
+            kind = kind if reply.status_code == 200 else BAD_REFUSAL
+            return Outcome(kind, "not JSON", reply.text[:300])
         if reply.status_code == 200:
             if broken:
-                return "accepted-invalid", f"{broken} accepted"
+                return Outcome(ACCEPTED_INVALID, problem=f"{broken} accepted")
             wrong = _check_answer(body, data)
-            return ("silent wrong", wrong) if wrong else ("answered", "")
+            return Outcome(SILENT_WRONG, problem=wrong) if wrong else Outcome(CORRECT)
         detail = data.get("detail") if isinstance(data, dict) else None
         if not isinstance(detail, str) or not detail:
-            return "4xx without a detail", reply.text[:300]
+            return Outcome(BAD_REFUSAL, "4xx without a detail", reply.text[:300])
         if not broken:
-            return "refused-valid", detail
+            return Outcome(BAD_REFUSAL, "a valid request refused", detail)
         expected = must or broken
         if expected not in detail:
-            return "refused without naming it", f"{detail!r} does not name {expected!r}"
-        return "refused naming it", ""
+            why = f"{detail!r} does not name {expected!r}"
+            return Outcome(BAD_REFUSAL, "refused without naming it", why)
+        return Outcome(REFUSED)
 
 
 FUZZ = settings(
