@@ -29,4 +29,7 @@ def _packages(package_dir: dict[str, str]) -> list[str]:
     ]
 
 
-setup(package_dir=PACKAGE_DIR, packages=_packages(PACKAGE_DIR))
+# Data files inside packages: the conformance suite's mustpass lists.
+PACKAGE_DATA = {"glmport.conformance": ["mustpass/*.json"]}
+
+setup(package_dir=PACKAGE_DIR, packages=_packages(PACKAGE_DIR), package_data=PACKAGE_DATA)

@@ -88,6 +88,11 @@ class Check:
     def op(self) -> str:
         return self.case.op
 
+    @property
+    def dtype_column(self) -> str:
+        """Its record's column in the reports (:func:`dtype_key`)."""
+        return dtype_key(_dtype_name(self.case.dtype), self.case.scheme)
+
 
 @dataclass
 class Record:
@@ -120,6 +125,11 @@ class Record:
 
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
+
+
+def dtype_key(dtype: str, scheme: str | None) -> str:
+    """The reports' dtype column: ``"bfloat16"``, or ``"bfloat16/w8a8"`` with a scheme."""
+    return dtype if scheme is None else f"{dtype}/{scheme}"
 
 
 def suite_checks(*, full: bool = False, ops: tuple[str, ...] | None = None) -> list[Check]:

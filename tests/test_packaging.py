@@ -178,3 +178,12 @@ def test_the_pytest_plugin_runs_the_suite_when_a_project_asks_for_it(tmp_path):
     assert "2 passed" in proc.stdout and "glmport conformance" in proc.stdout
     data = json.loads((tmp_path / "report" / "conformance.json").read_text())
     assert [(c["op"], c["outcome"]) for c in data["cases"]] == [("rms_norm", "pass")]
+
+
+def test_the_wheel_holds_every_mustpass_list(wheel):
+    shipped = sorted(p.name for p in (REPO / "conformance" / "mustpass").glob("*.json"))
+    assert shipped, "no mustpass list in the tree"
+    in_wheel = sorted(
+        Path(n).name for n in wheel.namelist() if n.startswith("glmport/conformance/mustpass/")
+    )
+    assert in_wheel == shipped
