@@ -1,23 +1,27 @@
 """``conformance.html``: one self-contained page (inline CSS, the heatmap embedded as
-a data URI, no external link) of whatever a report folder holds: the suite's report
-(``conformance.json``: the verdict, the environment, an op x dtype table coloured by
-outcome, own kernels and fallbacks apart, and the checks not passed) and the mismatch
-matrix (``matrix.json`` and ``matrix.png``)."""
+a data URI, no external link) of whatever a report folder holds: the scorecard across
+backends (``scorecard.json``: one block per op family, rows op x dtype, a column per
+backend, sticky headers), the suite's report (``conformance.json``: the verdict and
+the mustpass version it meets, the environment, an op x dtype table coloured by
+outcome, own kernels and fallbacks apart, the checks not passed, its scorecard) and
+the mismatch matrix (``matrix.json`` and ``matrix.png``)."""
 
 from __future__ import annotations
 
 import base64
 import html
-import json
 from pathlib import Path
 
 from glmport.core.errors import ConfigError
 
 from .matrix import NO_PAIR, _cell_text, _sci, backend_errors, grid
 from .matrix import SCHEMA_VERSION as MATRIX_SCHEMA
-from .report import _NOT_STACK, _shapes, _worst_text, verdict_line, worst_ratio
+from .mustpass import STATUSES
+from .report import _NOT_STACK, _shapes, _worst_text, mustpass_line, verdict_line, worst_ratio
 from .report import SCHEMA_VERSION as REPORT_SCHEMA
 from .runner import OUTCOMES
+from .scorecard import SCHEMA_VERSION as SCORECARD_SCHEMA
+from .scorecard import cell_class, cell_parts, column, family_blocks, met_text, read_json
 
 # Most telling first: a cell shows the worst outcome among its checks.
 _SEVERITY = ("error", "fail", "pass", "skipped", "unsupported")
@@ -39,29 +43,18 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .legend span { padding: 0.1em 0.5em; margin-right: 0.3em; }
 small { color: #555; }
 img { max-width: 100%; }
+.partial { background: #e4f4d4; }
+.fallback { background: #dde6f0; }
+.family { margin-bottom: 1em; }
+.family h4 { margin: 0.6em 0 0.2em; }
+/* One block per op family; the header row stays on screen while its block scrolls. */
+table.card thead th { position: sticky; top: 0; z-index: 1; }
+table.card td { min-width: 9em; }
 """
 
 
 def _e(value: object) -> str:
     return html.escape(str(value))
-
-
-def _load(path: Path, schema: int) -> dict | None:
-    """The JSON object in ``path`` (written with ``schema_version`` ``schema``), None
-    when there is no such file."""
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"cannot read {path}: {err}") from None
-    found = data.get("schema_version") if isinstance(data, dict) else None
-    if found != schema:  # another version's keys: rendering would fail or mislead
-        raise ConfigError(
-            f"{path} has schema_version {found!r}; this glmport writes and reads {schema}: "
-            "run the command again to replace it"
-        )
-    return data
 
 
 def _table(header: list[str], rows: list[str]) -> str:
@@ -106,6 +99,118 @@ def _problems(cases: list[dict]) -> str:
     return _table(["check", "outcome", "ran on", "shapes", "worst err/tol", "reason"], rows)
 
 
+def _card_blocks(rows: list[dict], backends: list[dict]) -> str:
+    """The scorecard: one block per op family, rows op x dtype[/scheme], a column per
+    backend (``backends``: ``{name, emulated}``), each cell coloured by
+    :func:`~.scorecard.cell_class`."""
+    columns = [(b["name"], b["emulated"]) for b in backends]
+    head = "".join(f"<th>{_e(h)}</th>" for h in ("op", "dtype", *map(column, backends)))
+    blocks = []
+    for family, cells in family_blocks(rows, columns):
+        trs = []
+        for op, dtype, row in cells:
+            tds = []
+            for r in row:
+                coverage, details = cell_parts(r)
+                tds.append(
+                    f'<td class="{cell_class(r)}">{_e(coverage)}'
+                    + (f"<br><small>{_e(details)}</small>" if details else "")
+                    + "</td>"
+                )
+            trs.append(f"<tr><th>{_e(op)}</th><td>{_e(dtype)}</td>{''.join(tds)}</tr>")
+        blocks.append(
+            f'<div class="family"><h4>{_e(family)}</h4><table class="card"><thead><tr>{head}'
+            f"</tr></thead><tbody>{''.join(trs)}</tbody></table></div>"
+        )
+    return "\n".join(blocks)
+
+
+# Scorecard cell colours (scorecard.cell_class) in words.
+_CARD_COLOURS = (
+    ("pass", "all own, passed"),
+    ("partial", "partly own"),
+    ("fail", "failed"),
+    ("fallback", "on fallbacks"),
+    ("unsupported", "unsupported / skipped"),
+    ("na", "not run"),
+)
+_CARD_LEGEND = (
+    "Cells: the mustpass's checks of that op and dtype that ran on the backend's own kernels "
+    "/ the checks it requires there, what else happened to them, the worst error / tolerance "
+    "among the own ones (1.0 = at the limit) and the fraction of the hardware's peak "
+    "(measured only by a benchmark on the hardware). Colours: "
+    + "".join(f'<span class="{c}">{w}</span>' for c, w in _CARD_COLOURS)
+)
+
+
+def _mustpass_part(report: dict) -> list[str]:
+    """The run's mustpass verdict, its families, the required checks that did not pass
+    on the backend's own kernels (with reasons), and its scorecard."""
+    result = report.get("mustpass")
+    if not result:
+        return []
+    head = ["family", "ops", "required", "status", *STATUSES]
+    fam_rows = [
+        f'<tr><th>{_e(f)}</th><td>{_e(", ".join(v["ops"]))}</td><td class="num">'
+        f"{v['required']}</td><td>{_e(v['status'])}</td>"
+        + "".join(f'<td class="num">{v["counts"][st]}</td>' for st in STATUSES)
+        + "</tr>"
+        for f, v in result["families"].items()
+    ]
+    parts = [
+        f"<h3>Mustpass {_e(result['version'])}</h3>",
+        f'<p class="verdict {"ok" if result["met"] else "bad"}">{_e(mustpass_line(report))}</p>',
+        _table(head, fam_rows),
+    ]
+    shown = [p for p in result["not_passed"] if p["status"] != "fallback_pass"]
+    if shown:
+        rows = [
+            f'<tr><td><code>{_e(p["id"])}</code></td><td class="{_e(p["status"])}">'
+            f"{_e(p['status'])}</td><td>{_e(p['ran_on'] or '-')}</td><td>{_e(p['reason'])}</td>"
+            "</tr>"
+            for p in shown
+        ]
+        parts += ["<p>Required checks not passed on its own kernels:</p>",
+                  _table(["check", "status", "ran on", "reason"], rows)]  # fmt: skip
+    card = report["scorecard"]
+    parts += [
+        f"<h3>Scorecard (mustpass {_e(card['mustpass'])})</h3>",
+        f'<p class="legend">{_CARD_LEGEND}</p>',
+        _card_blocks(card["rows"], [{"name": report["backend"], "emulated": report["emulate"]}]),
+    ]
+    return parts
+
+
+def _scorecard_section(card: dict) -> str:
+    """``scorecard.json``: the backends and their sources, then the blocks."""
+    rows = [
+        f"<tr><th>{_e(column(b))}</th><td>{_e(b['source'])}</td><td>{_e(b['mode'])}</td>"
+        f"<td>{_e(b['ops'] if b['ops'] == 'all' else ', '.join(b['ops']))}</td>"
+        f"<td>{_e(b['glmport'])}</td><td>{_e(b['device'])} ({_e(b['device_name'])})</td>"
+        f'<td class="{"pass" if b["run_ok"] else "fail"}">{"ok" if b["run_ok"] else "FAILED"}</td>'
+        f'<td class="{"pass" if b["mustpass_met"] else "fail"}">'
+        f"{_e(met_text(b))}</td></tr>"
+        for b in card["backends"]
+    ]
+    head = ["backend", "source", "mode", "ops", "glmport", "device", "suite", "mustpass"]
+    peaks = "".join(
+        f"<li>peaks of {_e(b['backend'])}: {_e(b['file'])} ({_e(b['device'])}, "
+        f"{b['rows']} rows)</li>"
+        for b in card["bench"]
+    )
+    return "\n".join(
+        [
+            f"<h2>Scorecard: mustpass {_e(card['mustpass'])}</h2>",
+            _table(head, rows),
+            f"<ul>{peaks}</ul>"
+            if peaks
+            else "<p>No benchmark on the hardware given: every peak is not measured.</p>",
+            f'<p class="legend">{_CARD_LEGEND}</p>',
+            _card_blocks(card["rows"], card["backends"]),
+        ]
+    )
+
+
 def _suite_section(report: dict) -> str:
     env, name = report["environment"], report["backend"]
     ok = report["verdict"]["run_ok"]
@@ -142,7 +247,7 @@ def _suite_section(report: dict) -> str:
         shown = [c for c in problems if c["own"] is mine]
         if shown:
             parts += [f"<h3>Not passed: {title}</h3>", _problems(shown)]
-    return "\n".join(parts)
+    return "\n".join(parts + _mustpass_part(report))
 
 
 def _grid_table(result: dict, dtype: str) -> str:
@@ -213,16 +318,26 @@ def _matrix_section(directory: Path, result: dict) -> str:
 
 
 def write_html(directory: str | Path) -> Path:
-    """Write ``conformance.html`` into ``directory`` from the ``conformance.json`` and
-    ``matrix.json`` / ``matrix.png`` there (either may be missing; ConfigError when
-    neither JSON file is there, or one cannot be read). Returns its path."""
+    """Write ``conformance.html`` into ``directory`` from the ``scorecard.json``,
+    ``conformance.json`` and ``matrix.json`` / ``matrix.png`` there (any may be
+    missing; ConfigError when no JSON file is there, or one cannot be read). Returns
+    its path."""
     out = Path(directory)
-    report = _load(out / "conformance.json", REPORT_SCHEMA)
-    matrix = _load(out / "matrix.json", MATRIX_SCHEMA)
-    if report is None and matrix is None:
-        raise ConfigError(f"{out}: no conformance.json and no matrix.json to make a report of")
-    title = f"glmport conformance: {report['backend']}" if report else "glmport mismatch matrix"
+    report = read_json(out / "conformance.json", REPORT_SCHEMA)
+    matrix = read_json(out / "matrix.json", MATRIX_SCHEMA)
+    card = read_json(out / "scorecard.json", SCORECARD_SCHEMA)
+    if report is None and matrix is None and card is None:
+        raise ConfigError(
+            f"{out}: no conformance.json and no matrix.json (nor a scorecard.json) to make a "
+            "report of"
+        )
+    if report is not None:
+        title = f"glmport conformance: {report['backend']}"
+    else:
+        title = "glmport scorecard" if card is not None else "glmport mismatch matrix"
     body = [f"<h1>{_e(title)}</h1>"]
+    if card is not None:
+        body.append(_scorecard_section(card))
     if report is not None:
         body.append(_suite_section(report))
     if matrix is not None:

@@ -11,19 +11,32 @@ listed apart, and a fallback failure still fails the run, as the fallback's bug.
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from glmport.core.environment import device_name, versions
+from glmport.core.errors import ConfigError
 from glmport.core.registry import REGISTRY, chain_for
 
-from .runner import MODEL_OP, OUTCOMES
+from .mustpass import STATUSES, defined_ids, evaluate, load, newest, summary_line
+from .runner import MODEL_OP, OUTCOMES, dtype_key
+from .scorecard import (
+    cell_text,
+    combine,
+    family_blocks,
+    read_bench,
+    read_json,
+    scorecard_rows,
+    worst_ratio,
+)
 
 # 2: records carry ``own``; ``summary`` counts the backend's own checks only, with
 # ``fallback_summary`` and ``verdict`` beside it; table rows carry ``ran_on`` / ``own``.
+# Since then, added without a new version (readers take a report without them):
+# ``mustpass`` and ``scorecard``, and ``mode`` "mustpass".
 SCHEMA_VERSION = 2
 
 
@@ -42,24 +55,6 @@ def _manifest(backend: str) -> dict:
     }
 
 
-def worst_ratio(metrics: dict, tolerance: dict) -> float | None:
-    """The worst error as a fraction of its tolerance (1.0 = at the limit), over every
-    criterion the judge reported: each metric that has a tolerance of the same name.
-    None when no metric has one (exact checks, outcomes without a verdict)."""
-    ratios = []
-    for key, limit in tolerance.items():
-        got = metrics.get(key)
-        if not isinstance(got, (int, float)) or not isinstance(limit, (int, float)):
-            continue
-        if math.isnan(got):  # NaN is never within a tolerance
-            ratios.append(math.inf)
-        elif limit > 0:
-            ratios.append(got / limit)
-        else:  # a zero tolerance is met exactly or not at all
-            ratios.append(0.0 if got <= 0 else math.inf)
-    return max(ratios, default=None)
-
-
 def _counts(records: list[dict]) -> dict:
     counts = {"total": len(records)} | {o: 0 for o in OUTCOMES}
     for rec in records:
@@ -72,8 +67,9 @@ def summarize(records: list[dict]) -> list[dict]:
     the worst error / tolerance; the backend's own rows first."""
     rows: dict[tuple, dict] = defaultdict(lambda: {o: 0 for o in OUTCOMES} | {"worst": None})
     for rec in records:
-        dtype = rec["dtype"] if rec["scheme"] is None else f"{rec['dtype']}/{rec['scheme']}"
-        row = rows[(not rec["own"], rec["op"], dtype, rec["ran_on"])]
+        row = rows[
+            (not rec["own"], rec["op"], dtype_key(rec["dtype"], rec["scheme"]), rec["ran_on"])
+        ]
         row[rec["outcome"]] += 1
         r = worst_ratio(rec["metrics"], rec["tolerance"])
         if r is not None and (row["worst"] is None or r > row["worst"]):
@@ -108,10 +104,27 @@ def _verdict(backend: str, declared: list[str], own: dict, fallback: dict) -> di
 _NOT_STACK = ("glmport", "python", "torch", "device", "device_name")
 
 
-def build_report(records: list[dict], *, backend: str, full: bool, emulate: bool, ops) -> dict:
+def _mustpass_parts(records: list[dict], *, backend: str, emulate: bool, ops, mustpass) -> dict:
+    """``mustpass``: the run judged against version ``mustpass`` (the newest when None;
+    ``requested`` says whether the run asked for it) and ``scorecard``: this backend's
+    rows against that version. Both None when no version ships."""
+    version = mustpass or newest()
+    if version is None:
+        return {"mustpass": None, "scorecard": None}
+    listing = load(version)
+    result = evaluate(listing, records, ops, defined_ids(ops)) | {"requested": bool(mustpass)}
+    rows = scorecard_rows(records, listing, backend=backend, emulated=emulate, ops=ops)
+    return {"mustpass": result, "scorecard": {"mustpass": version, "rows": rows}}
+
+
+def build_report(
+    records: list[dict], *, backend: str, full: bool, emulate: bool, ops, mustpass=None
+) -> dict:
     """The report of one run: ``summary`` counts the backend's own checks (and names
     its ``ops`` they covered), ``fallback_summary`` the checks that ran on fallbacks
-    (and the ``backends`` they ran on); ``table`` has one row per (op, dtype, ran_on)."""
+    (and the ``backends`` they ran on); ``table`` has one row per (op, dtype, ran_on);
+    ``mustpass`` and ``scorecard`` judge it against a mustpass version (``mustpass``,
+    the version the run was asked to meet, else the newest: see :func:`_mustpass_parts`)."""
     own = [r for r in records if r["own"]]
     fallback = [r for r in records if not r["own"]]
     manifest = _manifest(backend)
@@ -125,7 +138,7 @@ def build_report(records: list[dict], *, backend: str, full: bool, emulate: bool
     return {
         "schema_version": SCHEMA_VERSION,
         "backend": backend,
-        "mode": "full" if full else "quick",
+        "mode": "mustpass" if mustpass else "full" if full else "quick",
         "emulate": emulate,
         "ops": list(ops) if ops else "all",
         "environment": {
@@ -138,6 +151,7 @@ def build_report(records: list[dict], *, backend: str, full: bool, emulate: bool
         "summary": summary,
         "fallback_summary": fallback_summary,
         "table": summarize(records),
+        **_mustpass_parts(records, backend=backend, emulate=emulate, ops=ops, mustpass=mustpass),
         "cases": sorted(records, key=lambda r: r["id"]),
     }
 
@@ -147,9 +161,21 @@ def _count_text(counts: dict, *, every: bool) -> str:
     return ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if every or counts[o])
 
 
+def _mode_text(report: dict) -> str:
+    if report["mode"] == "mustpass":
+        return f"mustpass {report['mustpass']['version']}'s checks"
+    return f"{report['mode']} mode"
+
+
+def mustpass_line(report: dict) -> str:
+    """The mustpass version the run meets or misses ("" in a report without one)."""
+    result = report.get("mustpass")
+    return summary_line(result, report["backend"]) if result else ""
+
+
 def verdict_line(report: dict) -> str:
     """One line: the verdict on the backend's own kernels, then the fallbacks apart."""
-    name, mode = report["backend"], f"{report['mode']} mode"
+    name, mode = report["backend"], _mode_text(report)
     v, own, fb = report["verdict"], report["summary"], report["fallback_summary"]
     if own["total"] == 0:
         line = f"backend {name!r} DOES NOT CONFORM ({mode}): {v['why']}"
@@ -267,7 +293,67 @@ def markdown(report: dict) -> str:
         shown = [c for c in problems if c["own"] is mine]
         if shown:
             lines += ["", f"## Not passed: {title}", "", *_md_problems(shown)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _md_mustpass(report)) + "\n"
+
+
+def _md_mustpass(report: dict) -> list[str]:
+    """The mustpass section: the line, per family, every required check that did not
+    pass on the backend's own kernels with its reason; then the scorecard."""
+    result = report.get("mustpass")
+    if not result:
+        return []
+    lines = ["", f"## Mustpass {result['version']}", "", mustpass_line(report), "",
+             "| family | ops | required | status | " + " | ".join(STATUSES) + " |",
+             "|---|---|---|---|" + "---|" * len(STATUSES)]  # fmt: skip
+    for family, fam in result["families"].items():
+        lines.append(
+            f"| {family} | {', '.join(fam['ops'])} | {fam['required']} | {fam['status']} | "
+            + " | ".join(str(fam["counts"][s]) for s in STATUSES)
+            + " |"
+        )
+    shown = [p for p in result["not_passed"] if p["status"] != "fallback_pass"]
+    if shown:
+        lines += ["", "Required checks not passed on its own kernels (passes on fallbacks "
+                  "are counted above, not listed):", "", "| check | status | ran on | reason |",
+                  "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| `{p['id']}` | {p['status']} | {p['ran_on'] or '-'} | {_md_cell(p['reason'])} |"
+            for p in shown
+        ]
+    card = report["scorecard"]
+    columns = [(report["backend"], report["emulate"])]
+    lines += ["", f"## Scorecard (mustpass {card['mustpass']})", ""]
+    for family, cells in family_blocks(card["rows"], columns):
+        lines += [f"**{family}**", "", f"| op | dtype | {report['backend']} |", "|---|---|---|"]
+        lines += [f"| {op} | {dt} | {cell_text(row[0])} |" for op, dt, row in cells]
+        lines.append("")
+    return lines[:-1]
+
+
+def read_report(path: str | Path, source: str = "--scorecard") -> dict:
+    """The ``conformance.json`` at ``path`` (the file, or a folder holding it);
+    ConfigError naming ``source`` when there is none or it cannot be read."""
+    file = Path(path)
+    file = file / "conformance.json" if file.is_dir() else file
+    if not str(path) or not file.is_file():
+        raise ConfigError(f"{source} {str(path)!r}: no conformance report (conformance.json) there")
+    try:
+        return read_json(file, SCHEMA_VERSION)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def combined_scorecard(
+    paths: Sequence[str | Path], bench: Sequence[str | Path] = (), mustpass: str | None = None
+) -> dict:
+    """The scorecard across the runs whose reports are at ``paths``, against version
+    ``mustpass`` (the newest when None), with peaks from the benchmark files ``bench``
+    (:func:`.scorecard.combine`)."""
+    version = mustpass or newest()
+    if version is None:
+        raise ConfigError("--scorecard: no mustpass version ships with this glmport")
+    reports = [(str(p), read_report(p)) for p in paths]
+    return combine(reports, load(version), [read_bench(Path(b)) for b in bench])
 
 
 def write_reports(report: dict, directory: str | Path) -> tuple[Path, Path, Path]:
