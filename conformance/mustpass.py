@@ -314,13 +314,26 @@ def listing_of(checks: Iterable[Check], version: str, cut_from: str) -> dict:
     return {"format": FORMAT, "version": version, "cut_from": cut_from, "families": families}
 
 
-def cut(directory: Path = DIRECTORY) -> tuple[Path, dict]:
-    """Write the next version (the newest plus one) from today's quick suite; returns
-    its path and how it differs from the newest (``added``, ``removed`` ids)."""
+def cut(directory: Path | None = None, version: str | None = None) -> tuple[Path, dict]:
+    """Write version ``version`` (default: the newest plus one) from today's quick
+    suite into ``directory`` (default: :data:`DIRECTORY`); returns its path and how it
+    differs from the newest (``added``, ``removed`` ids). ConfigError, writing nothing,
+    when that version exists already (a version is never rewritten), would leave a gap
+    after the newest, or would require exactly what the newest requires (a second cut
+    with nothing new)."""
     from glmport.core.environment import versions as stack_versions
 
+    directory = DIRECTORY if directory is None else directory
     known = _numbers(directory)
-    version = str(max(known, default=0) + 1)
+    following = str(max(known, default=0) + 1)
+    version = following if version is None else version
+    if version.isdigit() and int(version) in known:
+        raise ConfigError(
+            f"mustpass cut: version {version} exists ({directory / f'{version}.json'}); a "
+            "version is never rewritten: cut the next one"
+        )
+    if version != following:
+        raise ConfigError(f"mustpass cut: version {version!r}: the next version is {following}")
     listing = listing_of(
         suite_checks(), version, f"the quick suite of glmport {stack_versions()['glmport']}"
     )
@@ -330,8 +343,17 @@ def cut(directory: Path = DIRECTORY) -> tuple[Path, dict]:
     if known:
         previous = directory / f"{max(known)}.json"
         old = {r.id for r in parse(json.loads(previous.read_text()), str(previous)).checks}
+        if new == old:
+            raise ConfigError(
+                f"mustpass cut: the quick suite requires exactly what version {max(known)} "
+                "does: nothing to cut"
+            )
     path = directory / f"{version}.json"
-    path.write_text(json.dumps(listing, indent=1) + "\n")
+    try:
+        with path.open("x") as out:  # "x": never over a file written meanwhile
+            out.write(json.dumps(listing, indent=1) + "\n")
+    except OSError as err:  # FileExistsError included: another cut got there first
+        raise ConfigError(f"mustpass cut: cannot write {path}: {err}") from None
     return path, {"added": sorted(new - old), "removed": sorted(old - new)}
 
 
@@ -341,12 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m glmport.conformance.mustpass", description="glmport's mustpass lists"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("cut", help="write the next version from today's quick suite")
+    cutting = sub.add_parser("cut", help="write the next version from today's quick suite")
+    cutting.add_argument(
+        "--version", default=None, help="the version to write (default: the newest plus one)"
+    )
     sub.add_parser("list", help="the versions and how many checks each requires")
     args = parser.parse_args(argv)
     try:
         if args.command == "cut":
-            path, change = cut()
+            path, change = cut(version=args.version)
             print(f"wrote {path}: {len(change['added'])} checks added, "
                   f"{len(change['removed'])} removed since the previous version")  # fmt: skip
             for check_id in change["removed"]:

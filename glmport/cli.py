@@ -343,6 +343,7 @@ def _conformance_matrix(args: argparse.Namespace) -> int:
 
     suite_only = [f for f, v in (("--backend", args.backend), ("--ops", args.ops)) if v]
     suite_only += [f for f, v in (("--full", args.full), ("--emulate", args.emulate)) if v]
+    suite_only += ["--mustpass"] if args.mustpass is not None else []
     if suite_only:
         raise ConfigError(
             f"{', '.join(suite_only)}: not with --matrix (it runs every backend in --backends, "
@@ -359,6 +360,27 @@ def _conformance_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _conformance_scorecard(args: argparse.Namespace) -> int:
+    """``glmport conformance --scorecard RUN...``: one table across the runs' reports."""
+    from glmport.conformance.html import write_html
+    from glmport.conformance.report import combined_scorecard
+    from glmport.conformance.scorecard import markdown, write_scorecard
+
+    given = {"--backend": args.backend, "--ops": args.ops, "--full": args.full,
+             "--emulate": args.emulate, "--matrix": args.matrix, "--backends": args.backends,
+             "--dtypes": args.dtypes}  # fmt: skip
+    if any(given.values()):
+        flags = ", ".join(f for f, v in given.items() if v)
+        raise ConfigError(f"{flags}: not with --scorecard (it reads finished runs)")
+    if not args.scorecard:
+        raise ConfigError("--scorecard: name at least one run (a conformance.json or its folder)")
+    card = combined_scorecard(args.scorecard, args.bench, args.mustpass)
+    paths = [*write_scorecard(card, args.report_dir), write_html(args.report_dir)]
+    print(markdown(card))
+    print("reports: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     import pytest
 
@@ -370,8 +392,18 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     plugins = [register_backend_target(t) for t in args.plugin]
     _check_environment()
     _check_out(args.report_dir, "--report-dir")
+    if args.scorecard is not None:
+        return _conformance_scorecard(args)
+    if args.bench:
+        raise ConfigError("--bench goes with --scorecard (its peaks fill the scorecard)")
     if args.matrix:
         return _conformance_matrix(args)
+    if args.mustpass is not None:
+        from glmport.conformance.mustpass import load
+
+        load(args.mustpass)  # unknown: an error listing the known versions
+        if args.full:
+            raise ConfigError("--full: not with --mustpass (the list decides which checks run)")
     for flag, value in (("--backends", args.backends), ("--dtypes", args.dtypes)):
         if value is not None:
             raise ConfigError(f"{flag} goes with --matrix (the suite judges one --backend)")
@@ -410,6 +442,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         pytest_args.append("--glmport-full")
     if args.ops:
         pytest_args += ["--glmport-ops", args.ops]
+    if args.mustpass is not None:
+        pytest_args += ["--glmport-mustpass", args.mustpass]
     return int(pytest.main(pytest_args))
 
 
@@ -1074,8 +1108,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the shared conformance suite on a backend (quick mode by default) "
         "and write conformance.json, conformance.md and conformance.html. Exit 0 only if "
         "every check passed, was unsupported by the backend's manifest, or was skipped, "
-        "and at least one passed. With --matrix: instead of the suite, the model-level "
-        "mismatch of every pair of backends (matrix.json/.md/.png, and the HTML page).",
+        "and at least one passed. With --mustpass VERSION: exactly that list's checks. With "
+        "--matrix: instead of the suite, the model-level mismatch of every pair of backends "
+        "(matrix.json/.md/.png, and the HTML page). With --scorecard RUN...: one table "
+        "across finished runs (scorecard.json/.md, and the HTML page).",
     )
     conf.add_argument(
         "--backend",
@@ -1118,6 +1154,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conf.add_argument(
         "--dtypes", default=None, metavar="fp32,bf16", help="with --matrix (default: fp32,bf16)"
+    )
+    conf.add_argument(
+        "--mustpass",
+        default=None,
+        metavar="VERSION",
+        help="run exactly the checks of this mustpass list (of --ops when given): exit 1 when "
+        "a required check fails or is missing; with --scorecard, the version to score against "
+        "(default: the newest)",
+    )
+    conf.add_argument(
+        "--scorecard",
+        nargs="+",
+        default=None,
+        metavar="RUN",
+        help="instead of the suite: one scorecard across finished runs, each RUN a "
+        "conformance.json or a --report-dir holding one (scorecard.json/.md and "
+        "conformance.html in --report-dir)",
+    )
+    conf.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="with --scorecard: a benchmark's results on the hardware, for the fraction of "
+        "peak (repeatable; without one every peak is 'not measured')",
     )
     conf.set_defaults(func=_cmd_conformance)
 

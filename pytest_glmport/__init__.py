@@ -6,6 +6,8 @@ else ``GLMPORT_BACKEND``, else auto), ``--glmport-plugin module:attr`` (repeatab
 backend registered in code, a ``Backend`` instance or a callable returning one,
 registered in the controller and in every pytest-xdist worker before the suite runs),
 ``--glmport-emulate``, ``--glmport-full``, ``--glmport-ops a,b``,
+``--glmport-mustpass VERSION`` (exactly that mustpass list's checks, of ``--glmport-ops``
+when given; the run fails when one fails or is missing),
 ``--glmport-report-dir D`` (default ``conformance-report``). With pytest-xdist, the
 workers run checks and the controller gathers their records, prints the summary and
 writes the reports.
@@ -32,6 +34,7 @@ class SuiteSettings:
     full: bool
     ops: tuple[str, ...] | None
     device: str
+    mustpass: str | None = None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -60,11 +63,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--glmport-ops", default=None, help="comma-separated ops to check (default: all)"
     )
     group.addoption(
+        "--glmport-mustpass",
+        default=None,
+        metavar="VERSION",
+        help="run exactly this mustpass list's checks (of --glmport-ops when given); "
+        "fail when one fails or is missing",
+    )
+    group.addoption(
         "--glmport-report-dir", default=DEFAULT_REPORT_DIR, help="where conformance.json/.md go"
     )
 
 
 def _settings(config: pytest.Config) -> SuiteSettings:
+    from glmport.conformance import mustpass
     from glmport.conformance.runner import device_for
     from glmport.core import environment
     from glmport.core.errors import ConfigError
@@ -77,6 +88,15 @@ def _settings(config: pytest.Config) -> SuiteSettings:
             ops = environment.parse_op_names(ops, "--glmport-ops")
         except ConfigError as err:
             raise pytest.UsageError(str(err)) from None
+    version = config.getoption("--glmport-mustpass")
+    if version is not None:
+        try:
+            mustpass.load(version, "--glmport-mustpass")  # unknown: the known ones listed
+        except ConfigError as err:
+            raise pytest.UsageError(str(err)) from None
+    full = config.getoption("--glmport-full")
+    if version is not None and full:
+        raise pytest.UsageError("--glmport-full: not with --glmport-mustpass (its list decides)")
     emulate = config.getoption("--glmport-emulate") or current_settings().emulate
     plugins = _register_plugins(config)
     backend = (
@@ -89,7 +109,7 @@ def _settings(config: pytest.Config) -> SuiteSettings:
             backend = primary_backend()
     REGISTRY.get(backend)  # an unknown name fails here, listing the valid ones
     device = str(device_for(REGISTRY.get(backend).device_type(emulate)))
-    return SuiteSettings(backend, emulate, config.getoption("--glmport-full"), ops or None, device)
+    return SuiteSettings(backend, emulate, full, ops or None, device, version)
 
 
 def _register_plugins(config: pytest.Config) -> list[str]:
@@ -122,10 +142,14 @@ def glmport_settings(request: pytest.FixtureRequest) -> SuiteSettings:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "glmport_check" not in metafunc.fixturenames:
         return
+    from glmport.conformance.mustpass import load, select_checks
     from glmport.conformance.runner import suite_checks
 
     s = _settings(metafunc.config)
-    checks = suite_checks(full=s.full, ops=s.ops)
+    if s.mustpass is None:
+        checks = suite_checks(full=s.full, ops=s.ops)
+    else:
+        checks = select_checks(load(s.mustpass), s.ops)
     metafunc.parametrize("glmport_check", checks, ids=[c.id for c in checks])
 
 
@@ -147,13 +171,18 @@ class _Collector:
 
     @pytest.hookimpl
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        if not self.records:
+        s = _settings(self.config)
+        if not self.records and s.mustpass is None:
             return
         from glmport.conformance.report import build_report, write_reports
 
-        s = _settings(self.config)
         self.report = build_report(
-            self.records, backend=s.backend, full=s.full, emulate=s.emulate, ops=s.ops
+            self.records,
+            backend=s.backend,
+            full=s.full,
+            emulate=s.emulate,
+            ops=s.ops,
+            mustpass=s.mustpass,
         )
         self.paths = write_reports(self.report, self.config.getoption("--glmport-report-dir"))
         # Failed checks fail the session already; this catches a backend none of whose
@@ -161,12 +190,16 @@ class _Collector:
         # passed on fallbacks say nothing about it, so it never passes silently.
         if not self.report["verdict"]["run_ok"] and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        # A required check that is missing fails a mustpass run too (none may be lost).
+        missed = s.mustpass is not None and not self.report["mustpass"]["met"]
+        if missed and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     @pytest.hookimpl
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if self.report is None:
             return
-        from glmport.conformance.report import table_lines, verdict_line
+        from glmport.conformance.report import mustpass_line, table_lines, verdict_line
 
         tr = terminalreporter
         tr.section("glmport conformance")
@@ -175,6 +208,15 @@ class _Collector:
         tr.write_line("")
         ok = self.report["verdict"]["run_ok"]
         tr.write_line(verdict_line(self.report), bold=True, green=ok, red=not ok)
+        result = self.report["mustpass"]
+        if result:
+            met = result["met"]
+            tr.write_line(mustpass_line(self.report), bold=True, green=met, red=not met)
+        if result and result["requested"]:  # a vendor's CI log: every check not passed, why
+            from glmport.conformance.mustpass import not_passed_lines
+
+            for line in not_passed_lines(result):
+                tr.write_line(line)
         if self.report["summary"]["pass"] == 0:
             tr.write_line(
                 f"none of {self.report['backend']!r}'s own kernels passed a check: does it "
