@@ -48,6 +48,7 @@ import common
 from common import Glm5Sizes, environment, markdown_table, randn, table
 
 import glmport
+from glmport.conformance.runner import dtype_key
 from glmport.core.tolerance import Tolerance
 
 SECTIONS = ("decode", "prefill", "indexer", "gemm", "ops")
@@ -59,6 +60,8 @@ PEAKS = {
     "H20": (4.0, 148.0, 296.0),
     "A100": (2.04, 312.0, None),
 }
+# Schemes whose GEMMs run on the 8-bit tensor cores (the fp8 / int8 peak, PEAKS[2]).
+EIGHT_BIT_SCHEMES = ("fp8_block", "w8a8", "w4a8")
 FLOORS = {"decode_hbm_fraction": 0.5, "grouped_vs_matmul": 0.7, "fp8_vs_bf16_matmul": 1.0}
 
 
@@ -111,9 +114,15 @@ class Bench:
         flops: float = 0.0,
         bytes_moved: float = 0.0,
         view: Callable[[object], object] = common.whole,
+        op: str | None = None,
+        like: torch.Tensor | None = None,
+        scheme: str | None = None,
     ) -> dict:
         """One row: ``run`` on cuda and on generic (same inputs), timed, and the
-        error of cuda's output against generic's (of ``view`` of each)."""
+        error of cuda's output against generic's (of ``view`` of each). With ``op``
+        (and ``like``, the tensor whose dtype the conformance reports' dtype column
+        names, and the ``scheme``): the row names its scorecard cell and, on a device
+        with known peaks, its fraction of the peak (:meth:`peak_fraction`)."""
         with self.on("cuda"):
             out = run()
             med, lo, hi = self.time_ms(run)
@@ -136,6 +145,10 @@ class Bench:
             row["tb_per_s"] = bytes_moved / (med * 1e-3) / 1e12
             if self.peaks:
                 row["hbm_fraction"] = row["tb_per_s"] / self.peaks[0]
+        if op is not None and like is not None:
+            row["op"] = op
+            row["dtype"] = dtype_key(str(like.dtype).removeprefix("torch."), scheme)
+            row |= self.peak_fraction(row, scheme)
         self.rows.append(row)
         print(
             f"  {section:8s} {name:44s} {med:10.3f} ms  x{row['speedup_vs_generic']:.2f} vs "
@@ -143,6 +156,27 @@ class Bench:
             flush=True,
         )
         return row
+
+    def peak_fraction(self, row: dict, scheme: str | None) -> dict:
+        """``{peak_fraction, peak}``: the row's achieved rate over the device's peak
+        for the resource it is closest to exhausting (HBM bandwidth, or the tensor
+        FLOPS of its precision), the roofline's bound; {} on a device without known
+        peaks or a row that measured neither rate."""
+        if not self.peaks:
+            return {}
+        hbm, bf16, eight_bit = self.peaks
+        flops_peak, flops_name = (eight_bit, "fp8/int8") if scheme in EIGHT_BIT_SCHEMES else (
+            bf16, "bf16"
+        )  # fmt: skip
+        rates = []
+        if "tb_per_s" in row:
+            rates.append((row["tb_per_s"] / hbm, f"HBM {hbm} TB/s"))
+        if "tflops" in row and flops_peak:
+            rates.append((row["tflops"] / flops_peak, f"{flops_name} {flops_peak} TFLOPS"))
+        if not rates:
+            return {}
+        fraction, peak = max(rates)
+        return {"peak_fraction": fraction, "peak": peak}
 
     def baseline(self, section: str, name: str, fn: Callable[[], object], flops: float) -> dict:
         """A torch baseline (not an op of ours), timed alone."""
@@ -181,6 +215,8 @@ def decode(b: Bench, s: Sizes) -> None:
                 lambda args=args: glmport.ops.sparse_attention(*args),
                 flops=s.attention_flops(batch),
                 bytes_moved=moved,
+                op="sparse_attention",
+                like=args[0],
             )
             del args
 
@@ -192,6 +228,8 @@ def prefill(b: Bench, s: Sizes) -> None:
         f"T={t} N={n} H={s.heads} topk={s.topk}",
         lambda: glmport.ops.sparse_attention(*args),
         flops=s.attention_flops(t),
+        op="sparse_attention",
+        like=args[0],
     )
 
 
@@ -204,6 +242,8 @@ def indexer(b: Bench, s: Sizes) -> None:
             lambda args=args: glmport.ops.lightning_indexer(*args, s.topk),
             flops=s.indexer_flops(args[4]),
             view=common.index_scores,
+            op="lightning_indexer",
+            like=args[0],
         )
 
 
@@ -218,6 +258,8 @@ def gemm(b: Bench, s: Sizes) -> None:
         f"grouped bf16 M={m} E={s.experts} N={n} K={k}",
         lambda: glmport.ops.grouped_gemm(x, w, offsets),
         flops=flops,
+        op="grouped_gemm",
+        like=x,
     )
     wd = randn(k, n, device=dev, seed=12, scale=k**-0.5)
     matmul = b.baseline("gemm", f"torch.matmul bf16 {m}x{k} @ {k}x{n}", lambda: x @ wd, flops)
@@ -233,6 +275,9 @@ def gemm(b: Bench, s: Sizes) -> None:
         f"fp8_block quant_gemm M={m2} N={n2} K={k2}",
         lambda: glmport.ops.quant_gemm(x2, wq, ws, "fp8_block"),
         flops=flops2,
+        op="quant_gemm",
+        like=x2,
+        scheme="fp8_block",
     )
     w2t = w2.to(torch.bfloat16).T.contiguous()
     bf16 = b.baseline("gemm", f"torch.matmul bf16 {m2}x{k2} @ {k2}x{n2}", lambda: x2 @ w2t, flops2)
@@ -287,6 +332,9 @@ def ops(b: Bench, s: Sizes) -> None:
             f"quant_gemm {scheme} M={t} N={s.dense_out} K={d}",
             lambda wq=wq, ws=ws, scheme=scheme: glmport.ops.quant_gemm(x, wq, ws, scheme),
             flops=2.0 * t * s.dense_out * d,
+            op="quant_gemm",
+            like=x,
+            scheme=scheme,
         )
     tl_ = s.logprob_tokens
     hidden = randn(tl_, d, device=dev, seed=22)
@@ -297,6 +345,8 @@ def ops(b: Bench, s: Sizes) -> None:
         f"token_logprobs T={tl_} D={d} V={s.vocab}",
         lambda: glmport.ops.token_logprobs(hidden, head, targets, 1.0),
         flops=2.0 * tl_ * s.vocab * d,
+        op="token_logprobs",
+        like=hidden,
     )
 
 
@@ -417,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     judged = [] if args.smoke else floors(bench)
     print(render(bench, judged, args.markdown))
     payload = {
+        "backend": "cuda",
         "environment": {
             **environment(),
             "device": bench.device_name,

@@ -143,6 +143,15 @@ _CARD_LEGEND = (
 )
 
 
+def _mustpass_verdict(report: dict) -> list[str]:
+    """The mustpass line, green when the run meets the version ([] without one)."""
+    result = report.get("mustpass")
+    if not result:
+        return []
+    colour = "ok" if result["met"] else "bad"
+    return [f'<p class="verdict {colour}">{_e(mustpass_line(report))}</p>']
+
+
 def _mustpass_part(report: dict) -> list[str]:
     """The run's mustpass verdict, its families, the required checks that did not pass
     on the backend's own kernels (with reasons), and its scorecard."""
@@ -159,7 +168,6 @@ def _mustpass_part(report: dict) -> list[str]:
     ]
     parts = [
         f"<h3>Mustpass {_e(result['version'])}</h3>",
-        f'<p class="verdict {"ok" if result["met"] else "bad"}">{_e(mustpass_line(report))}</p>',
         _table(head, fam_rows),
     ]
     shown = [p for p in result["not_passed"] if p["status"] != "fallback_pass"]
@@ -195,7 +203,9 @@ def _scorecard_section(card: dict) -> str:
     head = ["backend", "source", "mode", "ops", "glmport", "device", "suite", "mustpass"]
     peaks = "".join(
         f"<li>peaks of {_e(b['backend'])}: {_e(b['file'])} ({_e(b['device'])}, "
-        f"{b['rows']} rows)</li>"
+        f"{b['rows']} rows)"
+        + (f"; on no cell of the table: {_e('; '.join(b['unplaced']))}" if b["unplaced"] else "")
+        + "</li>"
         for b in card["bench"]
     )
     return "\n".join(
@@ -219,6 +229,7 @@ def _suite_section(report: dict) -> str:
     parts = [
         f"<h2>Conformance suite: <code>{_e(name)}</code></h2>",
         f'<p class="verdict {"ok" if ok else "bad"}">{_e(verdict_line(report))}</p>',
+        *_mustpass_verdict(report),
         "<ul>",
         f"<li>device: {_e(env['device'])} ({_e(env['device_name'])}); "
         f"emulated: {_e(report['emulate'])}; mode: {_e(report['mode'])}</li>",

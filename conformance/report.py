@@ -266,6 +266,7 @@ def markdown(report: dict) -> str:
         "",
         f"**{verdict_line(report)}**",
         "",
+        *([f"**{mustpass_line(report)}**", ""] if report.get("mustpass") else []),
         f"- device: {env['device']} ({env['device_name']}); emulated: {report['emulate']}",
         f"- glmport {env['glmport']}, torch {env['torch']}, python {env['python']}"
         + "".join(f", {k} {v or '-'}" for k, v in env.items() if k not in _NOT_STACK),
@@ -297,12 +298,13 @@ def markdown(report: dict) -> str:
 
 
 def _md_mustpass(report: dict) -> list[str]:
-    """The mustpass section: the line, per family, every required check that did not
-    pass on the backend's own kernels with its reason; then the scorecard."""
+    """The mustpass section (its line is under the verdict): per family, every
+    required check that did not pass on the backend's own kernels with its reason;
+    then the scorecard."""
     result = report.get("mustpass")
     if not result:
         return []
-    lines = ["", f"## Mustpass {result['version']}", "", mustpass_line(report), "",
+    lines = ["", f"## Mustpass {result['version']}", "",
              "| family | ops | required | status | " + " | ".join(STATUSES) + " |",
              "|---|---|---|---|" + "---|" * len(STATUSES)]  # fmt: skip
     for family, fam in result["families"].items():

@@ -175,7 +175,7 @@ def combine(
 
     Returns ``{schema_version, mustpass, backends: [{name, emulated, source, mode, ops,
     glmport, device, device_name, run_ok, mustpass_met, mustpass_why}], bench: [{file,
-    backend, device, rows}], rows}``, rows as :func:`scorecard_rows` gives them, every
+    backend, device, rows, unplaced}], rows}``, rows as :func:`scorecard_rows` gives them, every
     listed (op, dtype) of every backend: a run of fewer ops shows the others missing.
     ConfigError for two runs of one backend and setting, or a benchmark of a backend
     with no native run among them."""
@@ -216,16 +216,28 @@ def combine(
         best = None if row["emulated"] else peaks.get((row["backend"], row["op"], row["dtype"]))
         if best is not None:
             row["peak_fraction"], row["peak"] = best["peak_fraction"], _peak_text(best)
+    cells = {(r["backend"], r["op"], r["dtype"]) for r in rows if not r["emulated"]}
     return {
         "schema_version": SCHEMA_VERSION,
         "mustpass": listing.version,
         "backends": backends,
         "bench": [
-            {k: b[k] for k in ("file", "backend", "device")} | {"rows": len(b["rows"])}
+            {k: b[k] for k in ("file", "backend", "device")}
+            | {"rows": len(b["rows"]), "unplaced": _unplaced(b, cells)}
             for b in benches
         ],
         "rows": rows,
     }
+
+
+def _unplaced(bench: dict, cells: set[tuple[str, str, str]]) -> list[str]:
+    """The benchmark's rows whose (op, dtype) is no cell of its backend's native run:
+    listed, so a peak measured but not shown is never lost without a word."""
+    return [
+        f"{r['op']} {r['dtype']}" + (f" ({r['name']})" if r.get("name") else "")
+        for r in bench["rows"]
+        if (bench["backend"], r["op"], r["dtype"]) not in cells
+    ]
 
 
 def column(backend: dict) -> str:
@@ -316,6 +328,10 @@ def markdown(card: dict) -> str:
         )
     for bench in card["bench"]:
         lines.append(f"\nPeaks of {bench['backend']} from {bench['file']} ({bench['device']}).")
+        if bench["unplaced"]:
+            lines.append(f"Its rows on no cell of the table: {'; '.join(bench['unplaced'])}.")
+    if not card["bench"]:
+        lines.append(f"\nNo benchmark on the hardware given: every peak is {NOT_MEASURED}.")
     for family, cells in family_blocks(card["rows"], columns):
         header = "| op | dtype | " + " | ".join(names) + " |"
         lines += ["", f"## {family}", "", header, "|---|---|" + "---|" * len(names)]

@@ -23,6 +23,13 @@ def test_smoke_run_covers_every_section_and_agrees_with_generic(tmp_path):
     ours = [r for r in rows if "cuda_ms" in r]
     assert len(ours) == 16 and all(r["error_vs_generic"] < 5e-2 for r in ours), ours
     assert any(r["name"].startswith("torch.matmul bf16") for r in rows)
+    # The rows with a rate name their scorecard cell; no peak on a CPU (none known).
+    cells = {(r["op"], r["dtype"]) for r in ours if "op" in r}
+    assert cells == {("sparse_attention", "bfloat16"), ("lightning_indexer", "bfloat16"),
+                     ("grouped_gemm", "bfloat16"), ("quant_gemm", "bfloat16/fp8_block"),
+                     ("quant_gemm", "bfloat16/w8a8"), ("quant_gemm", "bfloat16/w4a8"),
+                     ("quant_gemm", "bfloat16/w4a16"), ("token_logprobs", "bfloat16")}  # fmt: skip
+    assert not any("peak_fraction" in r for r in rows)
 
 
 def _bench_module(monkeypatch):
@@ -69,3 +76,22 @@ def test_error_is_the_worst_relative_error_and_integers_match_exactly(monkeypatc
     assert math.isnan(bench.rel_error((ref, nan), (ref, ref)))
     ids = torch.arange(4, dtype=torch.int32)
     assert bench.rel_error((ref, ids.flip(0)), (ref, ids)) == math.inf
+
+
+def test_the_peak_fraction_is_the_bound_resource_of_the_rows_precision(monkeypatch):
+    bench = _bench_module(monkeypatch)
+    b = bench.Bench.__new__(bench.Bench)
+    b.peaks = (4.8, 989.0, 1979.0)  # H200: TB/s, bf16 TFLOPS, fp8 TFLOPS
+    memory_bound = {"tb_per_s": 2.4, "tflops": 99.0}
+    assert b.peak_fraction(memory_bound, None) == {"peak_fraction": 0.5, "peak": "HBM 4.8 TB/s"}
+    compute_bound = {"tflops": 494.5}
+    assert b.peak_fraction(compute_bound, None) == {
+        "peak_fraction": 0.5, "peak": "bf16 989.0 TFLOPS"
+    }  # fmt: skip
+    assert b.peak_fraction(compute_bound, "fp8_block")["peak_fraction"] == 494.5 / 1979.0
+    assert b.peak_fraction(compute_bound, "w4a16")["peak"] == "bf16 989.0 TFLOPS"
+    assert b.peak_fraction({"speedup_vs_generic": 2.0}, None) == {}  # no rate measured
+    b.peaks = (2.04, 312.0, None)  # A100: no fp8 peak, so an 8-bit GEMM gets none
+    assert b.peak_fraction(compute_bound, "w8a8") == {}
+    b.peaks = None
+    assert b.peak_fraction(memory_bound, None) == {}

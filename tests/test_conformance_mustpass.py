@@ -34,6 +34,7 @@ from glmport.conformance.report import build_report, mustpass_line, write_report
 from glmport.conformance.runner import MODEL_OP, Record, suite_checks
 from glmport.conformance.scorecard import (
     combine,
+    markdown,
     read_bench,
     scorecard_rows,
     write_scorecard,
@@ -357,6 +358,7 @@ def _bench(tmp_path: Path, **over) -> Path:
             {"op": "rms_norm", "dtype": "float32", "peak_fraction": 0.62, "peak": "HBM 4 TB/s",
              "name": "big"},
             {"section": "ops", "name": "no op named: not a peak row", "cuda_ms": 1.0},
+            {"op": "rms_norm", "dtype": "float64", "peak_fraction": 0.3, "name": "no such cell"},
         ],
     } | over  # fmt: skip
     path = tmp_path / "bench.json"
@@ -381,6 +383,9 @@ def test_a_peak_comes_from_a_benchmark_on_the_hardware_only(tmp_path):
     assert cells[(False, "rms_norm")]["peak"] == "62% of HBM 4 TB/s (Chip 9000, big)"
     assert cells[(True, "rms_norm")]["peak_fraction"] is None  # not the hardware
     assert cells[(False, "token_logprobs")]["peak"] == "not measured"  # no row for it
+    assert card["bench"][0]["unplaced"] == ["rms_norm float64 (no such cell)"]  # never lost
+    assert "Its rows on no cell of the table: rms_norm float64 (no such cell)." in markdown(card)
+    assert "every peak is not measured" in markdown(combine([native], listing))
     with pytest.raises(ConfigError, match="no run of it there"):
         combine([emulated], listing, [bench])
     with pytest.raises(ConfigError, match="both runs of 'mine'"):
