@@ -253,15 +253,18 @@ def met_text(backend: dict) -> str:
 
 
 def cell_parts(row: dict | None) -> tuple[str, str]:
-    """A cell in words, as (coverage, details): ``("24/24 own", "worst 0.254, peak not
-    measured")``; ``("not run", "")`` when the run had none of the cell's checks; the
-    details say "on fallbacks" when none ran on the backend's own kernels."""
+    """A cell in words, as (coverage, details): ``("22/24 own, 2 on fallbacks", "worst
+    0.254, peak not measured")``; ``("not run", "")`` when the run had none of the
+    cell's checks; the worst is "-" when no own check has a tolerance (exact checks),
+    "none own" when none ran on the backend's own kernels."""
     if row is None or row["missing"] == row["required"]:
         return "not run", ""
     parts = [f"{row['own']}/{row['required']} own"]
-    parts += [f"{row[k]} {k}" for k in ("failed", "unsupported", "skipped", "missing") if row[k]]
+    parts += [f"{row[k]} {k}" for k in ("failed", "unsupported", "skipped") if row[k]]
+    parts += [f"{row['fallback']} on fallbacks"] if row["fallback"] else []
+    parts += [f"{row['missing']} missing"] if row["missing"] else []
     if row["own"] == 0:
-        details = "on fallbacks" if row["fallback"] else "none ran"
+        details = "worst: none own"
     else:
         details = "worst -" if row["worst"] is None else f"worst {row['worst']:.3f}"
     peak = row["peak_fraction"]

@@ -33,6 +33,7 @@ from glmport.conformance.mustpass import (
 from glmport.conformance.report import build_report, mustpass_line, write_reports
 from glmport.conformance.runner import MODEL_OP, Record, suite_checks
 from glmport.conformance.scorecard import (
+    cell_text,
     combine,
     markdown,
     read_bench,
@@ -343,6 +344,14 @@ def test_scorecard_cells_by_hand():
     }  # fmt: skip
     assert norm["coverage"] == 0.5 and norm["worst"] == 3.0  # the fallback's 9.0 is not its
     assert (logp["required"], logp["missing"], logp["coverage"]) == (1, 1, 0.0)
+    assert cell_text(norm) == (
+        "3/6 own, 1 failed, 1 unsupported, 1 on fallbacks, 1 missing, worst 3.000, "
+        "peak not measured"
+    )
+    assert cell_text(logp) == "not run"
+    (fallen,) = scorecard_rows([records[3]], parse(_valid(families={"norm_rope": {"rms_norm": {
+        "float32": ["rms_norm-d"]}}}), "one/3.json"), backend="mine", emulated=True)  # fmt: skip
+    assert cell_text(fallen) == "0/1 own, 1 on fallbacks, worst: none own, peak not measured"
 
 
 # -- peaks ---------------------------------------------------------------------------
