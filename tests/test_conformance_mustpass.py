@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -444,6 +445,81 @@ def test_the_scorecard_page_is_one_escaped_block_per_family(tmp_path):
             cells += 2
     assert cells == 2 * len({(r.op, r.dtype) for r in listing.checks})
     assert page.count('<td class="fail">1/9 own, 1 failed, 8 missing') == 1  # cpu's column
+
+
+class _Nesting(HTMLParser):
+    """Every element closed, in order (void elements aside): what a browser would
+    otherwise repair silently, a cell spilling into the next row or table. ``rows``:
+    (th, td) counts of every ``<tr>`` of a ``table.card``."""
+
+    VOID = frozenset({"br", "img", "meta", "hr", "input", "link"})
+
+    def reset(self) -> None:  # HTMLParser.__init__ calls it
+        super().reset()
+        self.open: list[str] = []
+        self.errors: list[str] = []
+        self.rows: list[tuple[int, int]] = []
+        self.cards: list[bool] = []  # per open <table>: is it a card
+        self.cells: list[int] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.VOID:
+            return
+        self.open.append(tag)
+        if tag == "table":
+            self.cards.append(("class", "card") in attrs)
+        elif tag == "tr" and self.cards and self.cards[-1]:
+            self.cells = [0, 0]
+        elif tag in ("th", "td") and self.cells is not None:
+            self.cells[tag == "td"] += 1
+
+    def handle_endtag(self, tag):
+        if tag in self.VOID:
+            return
+        if not self.open or self.open[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.open[-1:] or 'nothing'}")
+            return
+        self.open.pop()
+        if tag == "tr" and self.cells is not None:
+            self.rows.append((self.cells[0], self.cells[1]))
+            self.cells = None
+        elif tag == "table":
+            self.cards.pop()
+
+
+def _nesting(page: str) -> _Nesting:
+    parser = _Nesting()
+    parser.feed(page)
+    parser.close()
+    return parser
+
+
+def test_the_report_pages_are_well_formed_and_every_card_row_is_full(tmp_path):
+    listing = load("1")
+    folders = []
+    for backend, emulate in (("cpu", False), ("generic", False), ("cuda", True)):
+        folder = tmp_path / backend
+        recs = [_rec("rms_norm-tiny-float32", "pass", ran_on=backend, ratio=0.5),
+                _rec("rope-tiny-float32", "unsupported", own=False, ran_on="generic",
+                     op="rope", reason="declares no <rope>")]  # fmt: skip
+        write_reports(_report(recs, backend=backend, emulate=emulate), folder)
+        folders.append(folder)
+    card = combine([(str(f), json.loads((f / "conformance.json").read_text())) for f in folders],
+                   listing)  # fmt: skip
+    write_scorecard(card, folders[0])  # one page: the scorecard, then cpu's own report
+    page = write_html(folders[0]).read_text()
+    broken = _nesting('<table class="card"><tr><td>x</tr></table>')  # the checker can fail
+    assert broken.errors == ["</tr> closes ['td']", "</table> closes ['td']"]
+    parser = _nesting(page)
+    assert parser.errors == [] and parser.open == []
+    cells = len({(r.op, r.dtype) for r in listing.checks})
+    # the combined blocks: a header of op, dtype + 3 backends, then one row per cell with
+    # the op as its <th>; then cpu's own blocks: op, dtype + 1 column
+    combined = [r for r in parser.rows if sum(r) == 5]
+    own = [r for r in parser.rows if sum(r) == 3]
+    assert len(combined) == cells + len(set(OP_FAMILIES.values()))
+    assert len(own) == cells + len(set(OP_FAMILIES.values()))
+    assert len(parser.rows) == len(combined) + len(own)  # no row short of a cell
 
 
 # -- the command line ----------------------------------------------------------------
