@@ -286,7 +286,7 @@ def summary_line(result: dict, backend: str) -> str:
 def not_passed_lines(result: dict, shown: int = 3) -> list[str]:
     """The required checks that did not pass on the backend's own kernels, one line per
     status and reason: ``unsupported (backend 'x' declares ...): 9 checks: a, b, c and 6
-    more``. Passes on fallbacks are left to the counts."""
+    more`` (``1 check: a``). Passes on fallbacks are left to the counts."""
     groups: dict[tuple[str, str], list[str]] = {}
     for p in result["not_passed"]:
         if p["status"] != "fallback_pass":
@@ -294,7 +294,8 @@ def not_passed_lines(result: dict, shown: int = 3) -> list[str]:
     lines = []
     for (status, reason), ids in groups.items():
         more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
-        lines.append(f"  {status} ({reason}): {len(ids)} checks: {', '.join(ids[:shown])}{more}")
+        checks = "1 check" if len(ids) == 1 else f"{len(ids)} checks"
+        lines.append(f"  {status} ({reason}): {checks}: {', '.join(ids[:shown])}{more}")
     return lines
 
 

@@ -27,6 +27,7 @@ from glmport.conformance.mustpass import (
     OP_FAMILIES,
     evaluate,
     load,
+    not_passed_lines,
     parse,
     select_checks,
     versions,
@@ -271,6 +272,17 @@ def test_evaluate_against_hand_counted_outcomes():
     assert result["not_passed"][2]["reason"] == "declares no bf16"
     fams = result["families"]
     assert (fams["norm_rope"]["status"], fams["logprobs"]["status"]) == ("failed", "own")
+    assert not_passed_lines(result) == [  # the fallback's pass is left to the counts
+        "  missing (this glmport's suite defines no check of this id): 1 check: rms_norm-f",
+        "  fail (output 0 off): 1 check: rms_norm-c",
+        "  unsupported (declares no bf16): 1 check: rms_norm-d",
+        "  skipped (no chip): 1 check: rms_norm-e",
+    ]
+    many = evaluate(listing, [], defined=set())
+    assert not_passed_lines(many, shown=2) == [
+        "  missing (this glmport's suite defines no check of this id): 7 checks: rms_norm-a, "
+        "rms_norm-b and 5 more"
+    ]
     assert evaluate(listing, records, ops=("token_logprobs",))["met"] is True
     assert evaluate(listing, records, ops=("rope",))["why"] == (
         "it requires no check of the ops run"
