@@ -21,7 +21,15 @@ from .report import _NOT_STACK, _shapes, _worst_text, mustpass_line, verdict_lin
 from .report import SCHEMA_VERSION as REPORT_SCHEMA
 from .runner import OUTCOMES
 from .scorecard import SCHEMA_VERSION as SCORECARD_SCHEMA
-from .scorecard import cell_class, cell_parts, column, family_blocks, met_text, read_json
+from .scorecard import (
+    cell_class,
+    cell_parts,
+    column,
+    coverage_text,
+    family_blocks,
+    met_text,
+    read_json,
+)
 
 # Most telling first: a cell shows the worst outcome among its checks.
 _SEVERITY = ("error", "fail", "pass", "skipped", "unsupported")
@@ -197,10 +205,11 @@ def _scorecard_section(card: dict) -> str:
         f"<td>{_e(b['glmport'])}</td><td>{_e(b['device'])} ({_e(b['device_name'])})</td>"
         f'<td class="{"pass" if b["run_ok"] else "fail"}">{"ok" if b["run_ok"] else "FAILED"}</td>'
         f'<td class="{"pass" if b["mustpass_met"] else "fail"}">'
-        f"{_e(met_text(b))}</td></tr>"
+        f'{_e(met_text(b))}</td><td class="num">{_e(coverage_text(b))}</td></tr>'
         for b in card["backends"]
     ]
-    head = ["backend", "source", "mode", "ops", "glmport", "device", "suite", "mustpass"]
+    head = ["backend", "source", "mode", "ops", "glmport", "device", "suite", "mustpass",
+            "own kernels"]  # fmt: skip
     peaks = "".join(
         f"<li>peaks of {_e(b['backend'])}: {_e(b['file'])} ({_e(b['device'])}, "
         f"{b['rows']} rows)"

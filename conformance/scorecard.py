@@ -174,9 +174,10 @@ def combine(
     ``benches`` (:func:`read_bench`) placed on the backends' native runs.
 
     Returns ``{schema_version, mustpass, backends: [{name, emulated, source, mode, ops,
-    glmport, device, device_name, run_ok, mustpass_met, mustpass_why}], bench: [{file,
-    backend, device, rows, unplaced}], rows}``, rows as :func:`scorecard_rows` gives them, every
-    listed (op, dtype) of every backend: a run of fewer ops shows the others missing.
+    glmport, device, device_name, run_ok, mustpass_met, mustpass_why, own, required}],
+    bench: [{file, backend, device, rows, unplaced}], rows}``, rows as
+    :func:`scorecard_rows` gives them, every listed (op, dtype) of every backend: a run
+    of fewer ops shows the others missing; ``own`` / ``required``: the backend's totals.
     ConfigError for two runs of one backend and setting, or a benchmark of a backend
     with no native run among them."""
     backends, rows, seen = [], [], {}
@@ -191,6 +192,8 @@ def combine(
         ops = None if report["ops"] == "all" else report["ops"]
         verdict = evaluate(listing, report["cases"], ops)
         env = report["environment"]
+        mine = scorecard_rows(report["cases"], listing, backend=key[0], emulated=key[1])
+        rows += mine
         backends.append(
             {
                 "name": key[0],
@@ -201,9 +204,10 @@ def combine(
                 "run_ok": report["verdict"]["run_ok"],
                 "mustpass_met": verdict["met"],
                 "mustpass_why": verdict["why"],
+                "own": sum(r["own"] for r in mine),
+                "required": sum(r["required"] for r in mine),
             }
         )
-        rows += scorecard_rows(report["cases"], listing, backend=key[0], emulated=key[1])
     peaks = _best_peaks(benches)
     natives = {name for name, emulated in seen if not emulated}
     for bench in benches:
@@ -243,6 +247,12 @@ def _unplaced(bench: dict, cells: set[tuple[str, str, str]]) -> list[str]:
 def column(backend: dict) -> str:
     """A backend's column title: its name, ``(emulated)`` when it ran so."""
     return backend["name"] + (" (emulated)" if backend["emulated"] else "")
+
+
+def coverage_text(backend: dict) -> str:
+    """A backend's required checks run on its own kernels: ``"565/841 (67%)"``."""
+    share = backend["own"] / backend["required"] if backend["required"] else 0.0
+    return f"{backend['own']}/{backend['required']} ({share:.0%})"
 
 
 def met_text(backend: dict) -> str:
@@ -319,15 +329,15 @@ def markdown(card: dict) -> str:
         "ones (1.0 = at the limit), and the fraction of the hardware's peak where a "
         "benchmark ran on the hardware.",
         "",
-        "| backend | source | mode | ops | glmport | device | suite | mustpass |",
-        "|---|---|---|---|---|---|---|---|",
+        "| backend | source | mode | ops | glmport | device | suite | mustpass | own kernels |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for b, name in zip(card["backends"], names, strict=True):
         ops = b["ops"] if b["ops"] == "all" else ", ".join(b["ops"])
         suite = "ok" if b["run_ok"] else "FAILED"
         lines.append(
             f"| {name} | {b['source']} | {b['mode']} | {ops} | {b['glmport']} | "
-            f"{b['device']} ({b['device_name']}) | {suite} | {met_text(b)} |"
+            f"{b['device']} ({b['device_name']}) | {suite} | {met_text(b)} | {coverage_text(b)} |"
         )
     for bench in card["bench"]:
         lines.append(f"\nPeaks of {bench['backend']} from {bench['file']} ({bench['device']}).")

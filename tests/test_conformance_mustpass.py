@@ -442,6 +442,7 @@ def test_the_scorecard_page_is_one_escaped_block_per_family(tmp_path):
     card = combine([(str(first), json.loads((first / "conformance.json").read_text())),
                     (str(second), json.loads((second / "conformance.json").read_text()))],
                    listing)  # fmt: skip
+    assert [(b["own"], b["required"]) for b in card["backends"]] == [(1, 841), (1, 841)]
     card["backends"][1]["name"] = EVIL  # whatever a report says is escaped
     write_scorecard(card, tmp_path / "card")
     page = write_html(tmp_path / "card").read_text()
@@ -556,6 +557,7 @@ def test_mustpass_on_generic_runs_exactly_the_list_and_meets_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| rms_norm | float32 | 9/9 own, worst" in proc.stdout
     assert "| sparse_attention | float32 | not run |" in proc.stdout
+    assert "| met on the ops run | 21/841 (2%) |" in proc.stdout
     assert {p.name for p in card.iterdir()} == {
         "scorecard.json",
         "scorecard.md",
