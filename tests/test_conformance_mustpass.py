@@ -144,6 +144,8 @@ def test_a_malformed_list_is_an_error_naming_the_entry(data, message):
 def test_a_file_must_hold_the_version_it_is_named_by():
     with pytest.raises(ConfigError, match=r"lists/4.json: holds version '3'"):
         parse(_valid(), "lists/4.json")
+    # the name the edits below parse under: unedited, the list parses there
+    assert [r.id for r in parse(_valid(), "edits/3.json").checks] == ["rms_norm-a-float32"]
 
 
 _JSONISH = st.recursive(
@@ -175,7 +177,7 @@ def test_any_edit_of_a_list_parses_or_is_a_config_error(path, value):
     if path and isinstance(node, dict):
         node[path[-1]] = value
     try:
-        listing = parse(data, "edit.json")
+        listing = parse(data, "edits/3.json")
     except ConfigError:
         return
     assert all(
