@@ -5,11 +5,16 @@ floors are judged as the issue sets them."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 
+import pytest
 import torch
 from bench_scripts import BENCH, run_bench_json
+
+from glmport.conformance.scorecard import read_bench
+from glmport.core.errors import ConfigError
 
 SCRIPT = BENCH / "cuda_backend.py"
 
@@ -30,6 +35,14 @@ def test_smoke_run_covers_every_section_and_agrees_with_generic(tmp_path):
                      ("quant_gemm", "bfloat16/w8a8"), ("quant_gemm", "bfloat16/w4a8"),
                      ("quant_gemm", "bfloat16/w4a16"), ("token_logprobs", "bfloat16")}  # fmt: skip
     assert not any("peak_fraction" in r for r in rows)
+    # The scorecard refuses a smoke run's file; the same file from a GPU is taken as is.
+    with pytest.raises(ConfigError, match="not a run on the hardware"):
+        read_bench(out)
+    on_gpu = tmp_path / "cuda.json"
+    rated = [r | {"peak_fraction": 0.5} if "op" in r else r for r in rows]
+    on_gpu.write_text(json.dumps(data | {"smoke": False, "rows": rated}))
+    taken = read_bench(on_gpu)
+    assert taken["backend"] == "cuda" and len(taken["rows"]) == sum("op" in r for r in rows)
 
 
 def _bench_module(monkeypatch):
