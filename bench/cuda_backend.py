@@ -24,6 +24,10 @@ they select). The floors of issue 10 are judged at the end: every kernel faster 
 generic, decode at 64K context >= 50% of HBM peak, grouped GEMM >= 70% of bf16 matmul,
 FP8-block GEMM faster than bf16 matmul.
 
+The rows with a rate name their conformance scorecard cell (``op``, ``dtype``) and, on a
+device in ``PEAKS``, carry ``peak_fraction`` and ``peak`` (:meth:`Bench.peak_fraction`):
+``glmport conformance --scorecard RUN... --bench bench/results/cuda.json`` shows them.
+
 Run on a GPU: ``python bench/cuda_backend.py`` (writes ``bench/results/cuda.json``);
 ``--only decode,gemm`` runs some sections; ``--smoke`` runs everything on tiny shapes
 on the CPU through the Triton interpreter (minutes, CI runs it): the script is known
