@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from hang_guard import guard_s
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from glmport.cli import main
@@ -179,7 +179,9 @@ def test_any_edit_of_a_list_parses_or_is_a_config_error(path, value):
     try:
         listing = parse(data, "edits/3.json")
     except ConfigError:
+        event("refused with a ConfigError")  # --hypothesis-show-statistics counts them
         return
+    event("parsed")
     assert all(
         r.id.startswith(f"{r.op}-") and OP_FAMILIES[r.op] == r.family for r in listing.checks
     )
@@ -336,6 +338,7 @@ def test_scorecard_and_verdict_against_a_count_of_the_fates(fates):
         assert row["worst"] == (max(own) if own else None)
         assert (row["peak_fraction"], row["peak"]) == (None, "not measured")
     result = evaluate(listing, records)
+    event("met" if result["met"] else "not met")
     kinds = [f for f, _, _ in fates]
     failing = {"own_fail", "own_error", "fallback_fail", "missing"} & set(kinds)
     assert result["met"] == (not failing and "own_pass" in kinds)
