@@ -568,6 +568,14 @@ def test_mustpass_on_generic_runs_exactly_the_list_and_meets_it(tmp_path):
         "scorecard.md",
         "conformance.html",
     }
+    bench = _bench(tmp_path, backend="generic")  # as if generic had been timed on a chip
+    proc = _glmport(["conformance", "--scorecard", str(report), "--bench", str(bench),
+                     "--report-dir", str(card)], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "| rms_norm | float32 | 9/9 own, worst " in proc.stdout
+    assert ", peak 62% |" in proc.stdout and ", peak 62%" in (card / "conformance.html").read_text()
+    assert "| rms_norm | bfloat16 | 9/9 own, " in proc.stdout  # no row: stays not measured
+    assert proc.stdout.count("peak 62%") == 1
 
 
 def test_mustpass_on_a_planted_bug_fails_naming_the_check(tmp_path):
