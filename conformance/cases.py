@@ -1135,13 +1135,13 @@ MAGNITUDES: dict[str, tuple[dict[str, float], ...]] = {
     "token_logprobs": ({"hidden": 1e-30, "lm_head": 1e30}, {"hidden": 1e-30}),
 }
 # And at the edge of float32's range: the argument scaled so that its largest entry is
-# FLOAT32_EDGE, where each output is a weighted mean, a copy or a rotation of it and so
-# still fits float32 (a kernel whose unnormalised accumulator or intermediate product
-# overflows turns it into inf or NaN). Arguments whose outputs cannot fit, or whose
-# bounds glmport refuses by design (scores, GEMM partial sums), have none.
+# FLOAT32_EDGE, where each output is a copy, a weighted sum, a rotation or a code of it
+# and so still fits float32 (a kernel whose intermediate product overflows, such as
+# x * qmax / amax in quantize, turns it into inf or NaN). Arguments whose bounds glmport
+# refuses by design (attention's K * max|v|, scores, GEMM partial sums: the overflow
+# refusal of docs/reliability.md) have none.
 FLOAT32_EDGE = 3e38
 EDGES: dict[str, tuple[str, ...]] = {
-    "sparse_attention": ("v",),
     "moe_dispatch": ("x",),
     "moe_combine": ("y_sorted",),
     "quantize": ("x",),
