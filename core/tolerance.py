@@ -75,8 +75,8 @@ BY_OP: dict[tuple[str, torch.dtype], Tolerance] = {}
 # quick suite's token_logprobs cases (the ulps each needs = 64 x its logp/entropy
 # bound_frac): float32-logit kernels need at most 2.05 (cpu, temperature 1000), 1.38
 # (generic and ascend, which runs generic's), 1.16 (cuda under the interpreter); logits
-# rounded to bf16 before the log-softmax need 6030-9260 at LM-sized logits (lm_logits:
-# 0.03-0.1 nats), rounded to fp16 700-1210. 64 leaves a margin of 30x above the first
+# rounded to bf16 before the log-softmax need 6030-9260 at LM-sized logits (the
+# lm_logits cases), rounded to fp16 700-1210. 64 leaves a margin of 30x above the first
 # and fails the second at every lm_logits case by 10x or more.
 LOGPROB_ULPS = 64.0
 
