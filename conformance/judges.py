@@ -155,11 +155,12 @@ def quantize(op, dtype, args, outs, refs) -> Verdict:
 
 
 def identical_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``[R]`` int64 labels of the rows of ``rows`` (``[R, ...]``, any dtype): rows with
-    the same bytes share a label ``>= 0``; a row equal to no other gets ``-1``. A hash
+    """``[R]`` int64 labels of the rows of ``rows`` (``[R, ...]``, 2-D or more, any
+    dtype): rows with the same bytes share a label ``>= 0``; a row equal to no other
+    gets ``-1``. A hash
     of the bytes finds the candidates, an exact comparison of those decides."""
     r = rows.shape[0]
-    raw = rows.detach().cpu().contiguous().view(torch.uint8).reshape(r, -1).long()
+    raw = rows.detach().cpu().flatten(1).contiguous().view(torch.uint8).long()
     labels = torch.full((r,), -1, dtype=torch.long)
     if r < 2 or raw.shape[1] == 0:
         return labels if raw.shape[1] else torch.zeros(r, dtype=torch.long)
@@ -188,7 +189,7 @@ def _exact_ties(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (:func:`identical_rows`) and ``[T, D]`` masks of the dims where some head of each
     query is positive / negative (:func:`_zero_keys` reads them)."""
     q, k, k_scale = args[0], args[1], args[7] if len(args) > 7 else None
-    rows = k.reshape(k.shape[0], -1)
+    rows = k.flatten(1)
     if k_scale is not None:  # fp8: the code bytes and the key's scale
         scale_bytes = k_scale.float().reshape(-1, 1).view(torch.uint8)
         rows = torch.cat((rows.view(torch.uint8), scale_bytes), dim=1)
@@ -305,7 +306,7 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
         if (sc[t, 1:count] > sc[t, : count - 1] + slack).any():
             return Verdict(False, f"query {t}: indices are not ordered best first")
         lo, hi = int(k_start[t]), int(k_end[t])
-        zero = _zero_keys(args[1][lo:hi].reshape(hi - lo, -1), q_pos[t], q_neg[t])
+        zero = _zero_keys(args[1][lo:hi].flatten(1), q_pos[t], q_neg[t])
         tie_error = _tie_order_error(t, chosen, lo, labels[lo:hi], zero)
         if tie_error:
             return Verdict(False, tie_error, {"max_rel": worst}, _tol_dict(tol))
