@@ -66,6 +66,21 @@ BY_DTYPE: dict[torch.dtype, Tolerance] = {
 BY_OP: dict[tuple[str, torch.dtype], Tolerance] = {}
 
 
+# token_logprobs, per token, in nats: a kernel that computes the logits in float32
+# (whatever the input dtype: bf16 / fp16 products are exact in float32) errs by about
+# eps32 * A / temperature, A = max_v sum_d |h_d w_vd| the largest magnitude a logit
+# sums, plus float32 rounding of the log-sum-exp. The judge's bound is
+# LOGPROB_ULPS * eps32 * (A / temperature + log V + 1) per token, on logp and on the
+# entropy alike; exp(bound) bounds each token's probability ratio. Calibrated on the
+# quick suite's token_logprobs cases (the ulps each needs = 64 x its logp/entropy
+# bound_frac): float32-logit kernels need at most 2.05 (cpu, temperature 1000), 1.38
+# (generic and ascend, which runs generic's), 1.16 (cuda under the interpreter); logits
+# rounded to bf16 before the log-softmax need 6030-9260 at LM-sized logits (the
+# lm_logits cases), rounded to fp16 700-1210. 64 leaves a margin of 30x above the first
+# and fails the second at every lm_logits case by 10x or more.
+LOGPROB_ULPS = 64.0
+
+
 def tolerance(op: str, dtype: torch.dtype) -> Tolerance:
     """The tolerance for ``op`` computing in ``dtype``."""
     return BY_OP.get((op, dtype), BY_DTYPE.get(dtype, BY_DTYPE[torch.float32]))

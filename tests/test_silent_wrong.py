@@ -304,7 +304,9 @@ def test_judges_take_empty_outputs_and_all_zero_scores():
 
     start, end = torch.zeros(2, dtype=torch.int32), torch.full((2,), 5, dtype=torch.int32)
     zeros = torch.zeros(2, 5, dtype=torch.float64)
-    args = (None, None, None, start, end, 2)
+    # Distinct positive keys, a positive query: no exact tie the tie-order rule sees.
+    q, k = torch.ones(2, 1, 2), torch.arange(1.0, 11).view(5, 2)
+    args = (q, k, None, start, end, 2)
     idx = torch.tensor([[0, 1], [4, 2]], dtype=torch.int32)
     assert indexer("lightning_indexer", torch.float32, args, (idx, torch.zeros(2, 2)), zeros).ok
     off = indexer("lightning_indexer", torch.float32, args, (idx, torch.ones(2, 2)), zeros)
