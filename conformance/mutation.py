@@ -14,7 +14,7 @@ mutation's own code (not by the base kernel it calls) is no kill: the mutant is
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cache
 
@@ -156,7 +156,7 @@ _FAMILY_ORDER = ("tiny", "edge", "layout", "glm5")
 
 
 @cache
-def _op_checks(op: str, full: bool) -> tuple[Check, ...]:
+def op_checks(op: str, full: bool) -> tuple[Check, ...]:
     """``op``'s checks and the model checks, in the order a mutant runs them."""
     mine = [c for c in suite_checks(full=full, ops=(op,)) if c.kind in _KIND_ORDER]
     mine.sort(
@@ -211,11 +211,17 @@ class MutantResult:
 
 
 def run_mutant(
-    mutant: Mutant, base: str, *, emulate: bool | None = None, full: bool = False
+    mutant: Mutant,
+    base: str,
+    *,
+    emulate: bool | None = None,
+    full: bool = False,
+    checks: Sequence[Check] | None = None,
 ) -> MutantResult:
     """Judge ``mutant`` of ``base``: its op's checks then the model check, cheapest
     first, until one fails it (and passes on ``base``). ``emulate``: as
-    :func:`~.runner.run_check` takes it; ``full``: the full mode's checks."""
+    :func:`~.runner.run_check` takes it; ``full``: the full mode's checks; ``checks``:
+    these instead (in this order)."""
     start = time.perf_counter()
     result = MutantResult(
         mutant.id, mutant.op, mutant.name, mutant.kind, mutant.breaks, mutant.needs, "survived"
@@ -224,7 +230,7 @@ def run_mutant(
     name = backend.manifest.name
     REGISTRY.register(backend, replace=True)
     try:
-        for check in _op_checks(mutant.op, full):
+        for check in op_checks(mutant.op, full) if checks is None else checks:
             rec = run_check(check, name, emulate=emulate)
             result.checks += 1
             result.own_checks += rec.own
