@@ -73,7 +73,7 @@ class _Gatherer:
 
     def __init__(self, total: int, progress) -> None:
         self.results: list[dict] = []
-        self.progress = progress
+        self.progress, self.total = progress, total
         self.task = progress.add_task("mutants", total=total) if progress else None
 
     @pytest.hookimpl
@@ -88,15 +88,17 @@ class _Gatherer:
     def _show(self, result: dict) -> None:
         if self.progress is None:
             return
-        counts = {s: sum(r["status"] == s for r in self.results) for s in ("killed", "survived")}
-        self.progress.update(
-            self.task, advance=1, description=f"{counts['killed']} killed, "
-            f"{counts['survived']} survived"
-        )  # fmt: skip
+        done = len(self.results)
+        killed = sum(r["status"] == "killed" for r in self.results)
+        tally = f"{killed} killed, {done - killed} not"
+        self.progress.update(self.task, advance=1, description=tally)
+        console = self.progress.console
         if result["status"] != "killed":
-            self.progress.console.print(
-                f"{result['status']}: {result['id']} (needs {result['needs']})"
+            console.print(
+                f"{result['status']}: {result['id']} (needs {result['needs']})", markup=False
             )
+        if not console.is_terminal and (done % 20 == 0 or done == self.total):
+            console.print(f"{done}/{self.total} mutants: {tally}", markup=False)  # a log: no bar
 
 
 def run_suite(
@@ -120,7 +122,9 @@ def run_suite(
     for target in plugins:
         args += ["--glmport-plugin", target]
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    progress = Progress(*columns, console=Console(stderr=True)) if show_progress else None
+    progress = (
+        Progress(*columns, console=Console(stderr=True, soft_wrap=True)) if show_progress else None
+    )
     gatherer = _Gatherer(len(plan.ids), progress)
     saved = os.environ.get(PLAN_VARIABLE)
     os.environ.update(plan_environment(plan))
