@@ -7,12 +7,13 @@ from :mod:`glmport.core.tolerance`, keyed by op and dtype, never by vendor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from glmport.core.formats import FLOAT_WEIGHT, FP8_DTYPE, dequantize_weight
-from glmport.core.tolerance import Tolerance, compare, tolerance
+from glmport.core.tolerance import LOGPROB_ULPS, Tolerance, compare, tolerance
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 
@@ -117,7 +118,10 @@ def gemm(op, dtype, args, outs, refs) -> Verdict:
 
 
 def quantize(op, dtype, args, outs, refs) -> Verdict:
-    """Codes bit-exact (fp8 compared as bytes), scales equal: the formats are definitions."""
+    """Codes and scales bit-exact (fp8 codes compared as bytes, scales as float32
+    bits): the formats define both in float32 (``amax / qmax`` with the amax floored,
+    powers of two for ``_pow2``), so a scale one ulp off, or 0 where the floor gives
+    7.9e-15, is a different format, whatever its relative size."""
     (q, s), (rq, rs) = outs, refs
     if q.dtype != rq.dtype or tuple(q.shape) != tuple(rq.shape):
         return Verdict(
@@ -131,10 +135,98 @@ def quantize(op, dtype, args, outs, refs) -> Verdict:
             f"{bad} of {q.numel()} codes differ from the canonical format",
             {"codes_differ": bad},
         )
-    cmp = compare(s, rs, Tolerance(1e-6, 1e-7))
-    if not cmp.ok:
-        return Verdict(False, f"scales differ: rel {cmp.max_rel:.3g}", {"scale_rel": cmp.max_rel})
-    return Verdict(True, "", {"codes_differ": 0, "scale_rel": cmp.max_rel})
+    if s.dtype != torch.float32 or tuple(s.shape) != tuple(rs.shape):
+        return Verdict(
+            False, f"scales are {s.dtype} {list(s.shape)}, expected float32 {list(rs.shape)}"
+        )
+    s_bits, r_bits = s.contiguous().view(torch.int32), rs.float().contiguous().view(torch.int32)
+    differ = s_bits != r_bits
+    if differ.any():
+        i = int(differ.reshape(-1).nonzero()[0, 0])
+        got, want = float(s.reshape(-1)[i]), float(rs.reshape(-1)[i])
+        return Verdict(
+            False,
+            f"{int(differ.sum())} of {s.numel()} scales differ from the format's "
+            f"(first: scale[{i}] = {got:.9g}, expected {want:.9g})",
+            {"codes_differ": 0, "scales_differ": int(differ.sum())},
+            {"scales_differ": 0},
+        )
+    return Verdict(True, "", {"codes_differ": 0, "scales_differ": 0}, {"scales_differ": 0})
+
+
+def identical_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[R]`` int64 labels of the rows of ``rows`` (``[R, ...]``, any dtype): rows with
+    the same bytes share a label ``>= 0``; a row equal to no other gets ``-1``. A hash
+    of the bytes finds the candidates, an exact comparison of those decides."""
+    r = rows.shape[0]
+    raw = rows.detach().cpu().contiguous().view(torch.uint8).reshape(r, -1).long()
+    labels = torch.full((r,), -1, dtype=torch.long)
+    if r < 2 or raw.shape[1] == 0:
+        return labels if raw.shape[1] else torch.zeros(r, dtype=torch.long)
+    mult = torch.randint(1, 2**40, (raw.shape[1],), generator=torch.Generator().manual_seed(0))
+    hashes = (raw * mult).sum(dim=1)  # < 2**63: 255 * 2**40 per byte, < 2**12 bytes
+    _, inverse, counts = torch.unique(hashes, return_inverse=True, return_counts=True)
+    candidates = (counts[inverse] > 1).nonzero()[:, 0]
+    if candidates.numel():
+        _, group, sizes = torch.unique(
+            raw[candidates], dim=0, return_inverse=True, return_counts=True
+        )
+        labels[candidates] = torch.where(sizes[group] > 1, group, -1)
+    return labels
+
+
+# The label of the keys that score exactly 0 for a query (:func:`_exact_ties`).
+ZERO_SCORE = -2
+
+
+def _exact_ties(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What makes two indexer keys tie exactly on every backend, whatever its
+    precision: keys with the same bytes (and the same ``k_scale`` for fp8) score the
+    same for every query; and a key each of whose products ``q[t, h, d] * k[s, d]`` is
+    ``<= 0`` scores exactly 0 for query ``t`` (every dot product is a sum of non-positive
+    terms in any rounding, its ReLU 0). Returns the keys' row labels
+    (:func:`identical_rows`) and ``[T, D]`` masks of the dims where some head of each
+    query is positive / negative (:func:`_zero_keys` reads them)."""
+    q, k, k_scale = args[0], args[1], args[7] if len(args) > 7 else None
+    rows = k.reshape(k.shape[0], -1)
+    if k_scale is not None:  # fp8: the code bytes and the key's scale
+        scale_bytes = k_scale.float().reshape(-1, 1).view(torch.uint8)
+        rows = torch.cat((rows.view(torch.uint8), scale_bytes), dim=1)
+    qf = q.float()
+    return identical_rows(rows), (qf > 0).any(dim=1), (qf < 0).any(dim=1)
+
+
+def _zero_keys(k: torch.Tensor, q_pos: torch.Tensor, q_neg: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: the keys of ``k`` (``[N, D]``, a slice) that score exactly 0 for a
+    query whose heads are positive at ``q_pos`` / negative at ``q_neg`` (``[D]``)."""
+    kf = k.float()
+    same_sign = (kf > 0).float() @ q_pos.float() + (kf < 0).float() @ q_neg.float()
+    return same_sign == 0
+
+
+def _tie_order_error(t, chosen, lo, labels, zero) -> str:
+    """Why query ``t``'s ``chosen`` slots (in output order) break the lower-slot rule
+    among the exactly tied keys of its range ``[lo, lo + len(labels))`` ("" if not):
+    of each class (equal ``labels`` >= 0, or ``zero``) the chosen must be its lowest
+    slots, in ascending order."""
+    lab = torch.where(zero, ZERO_SCORE, labels)
+    picked = lab[chosen - lo]
+    for c in picked[picked != -1].unique().tolist():
+        members = (lab == c).nonzero()[:, 0] + lo
+        mine = chosen[picked == c]
+        what = "scoring exactly 0 (ReLU zeros)" if c == ZERO_SCORE else "with identical keys"
+        if not torch.equal(mine.sort().values, members[: mine.numel()]):
+            skipped = int(members[~torch.isin(members, mine)][0])
+            return (
+                f"query {t}: of the keys {what}, chose slot {int(mine.max())} over the lower "
+                f"slot {skipped}: exact ties go to the lower slot"
+            )
+        if (mine[1:] < mine[:-1]).any():
+            return (
+                f"query {t}: keys {what} are not in ascending slot order "
+                f"({mine.tolist()[:8]}): exact ties go to the lower slot first"
+            )
+    return ""
 
 
 def indexer(op, dtype, args, outs, refs) -> Verdict:
@@ -142,10 +234,13 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
     are valid; every chosen key scores at least the reference's k-th best (minus the
     tolerance) and every key scoring above it by more than twice the tolerance is
     chosen (beyond the score error of both, no order of near-ties could drop it);
-    returned scores close to the reference scores of the chosen keys.
+    returned scores close to the reference scores of the chosen keys. Where scores
+    tie exactly on every backend (identical keys, ReLU zeros: :func:`_exact_ties`)
+    the documented order is required: the lower slot wins and comes first.
     ``refs`` here is the reference's full ``[T, N]`` score matrix."""
     (idx, sc), ref = outs, refs
     k_start, k_end, topk = args[3].long(), args[4].long(), args[5]
+    labels, q_pos, q_neg = _exact_ties(args)
     tol = tolerance(op, dtype)
     finite = ref[torch.isfinite(ref)]
     # Errors are relative to the largest finite score; when every one is 0 (or none is
@@ -209,38 +304,100 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
             )
         if (sc[t, 1:count] > sc[t, : count - 1] + slack).any():
             return Verdict(False, f"query {t}: indices are not ordered best first")
+        lo, hi = int(k_start[t]), int(k_end[t])
+        zero = _zero_keys(args[1][lo:hi].reshape(hi - lo, -1), q_pos[t], q_neg[t])
+        tie_error = _tie_order_error(t, chosen, lo, labels[lo:hi], zero)
+        if tie_error:
+            return Verdict(False, tie_error, {"max_rel": worst}, _tol_dict(tol))
     return Verdict(True, "", {"max_rel": worst}, _tol_dict(tol))
+
+
+def logprob_bounds(args) -> torch.Tensor:
+    """``[T]`` float64: the per-token error bound in nats of ``token_logprobs`` (logp
+    and entropy), ``LOGPROB_ULPS * eps32 * (A_t / temperature + log V + 1)`` with
+    ``A_t = max_v sum_d |hidden[t, d] * lm_head[v, d]|`` (core/tolerance.py): what
+    float32 logits leave, whatever the input dtype."""
+    hidden, lm_head, _, temperature = args
+    a = (hidden.double().abs() @ lm_head.double().abs().T).amax(dim=1) if lm_head.shape[0] else 0
+    log_v = math.log(max(lm_head.shape[0], 1))
+    return LOGPROB_ULPS * FP32_EPS * (a / temperature + log_v + 1)
 
 
 def logprobs(op, dtype, args, outs, refs) -> Verdict:
     """``token_logprobs``: ``logp <= 0`` and ``entropy >= 0`` everywhere (a relative
-    judge cannot see ``logp = +1.4`` beside a ``-1e5`` at a small temperature); finite
-    wherever the reference is (NaN nowhere); errors relative to ``max(max|ref|, 1
-    nat)``: a float32 entropy of a near one-hot distribution is subnormal, and
-    ``log(1)`` may round to ``-3e-8``, neither an error worth a nat."""
+    judge cannot see ``logp = +1.4`` beside a ``-1e5`` at a small temperature); NaN
+    nowhere, infinities where the reference has them; and every token's logp and
+    entropy within its bound in nats (:func:`logprob_bounds`: so each token's
+    probability ratio ``exp(delta)`` lies within ``exp(+-bound)``), whatever the input
+    dtype. The bound is what float32 logits leave: logits rounded to bf16 / fp16 before
+    the log-softmax exceed it by 10-100x at LM-sized logits. (A relative bound would
+    not do: a float32 entropy near 0 is off by ``eps32 * max|z|``, at LM-sized logits
+    far more than a relative error of the entropy allows, while a bf16 tolerance
+    relative to ``max|logp|`` lets 0.15 nats through.)"""
     logp, entropy = outs
     for name, bad, sign in (("logp", logp > 0, "> 0"), ("entropy", entropy < 0, "< 0")):
         if bad.any():
             i = int(bad.nonzero()[0, 0])
             value = float((logp if name == "logp" else entropy)[i])
             return Verdict(False, f"{name}[{i}] = {value:.4g} {sign}, which no distribution has")
-    tol = tolerance(op, dtype)
-    worst = {"max_rel": 0.0, "mean_rel": 0.0}
-    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
+    bound = logprob_bounds(args)
+    metrics: dict[str, float] = {}
+    limits = {"logp_bound_frac": 1.0, "entropy_bound_frac": 1.0}
+    for i, (name, o, r) in enumerate(zip(("logp", "entropy"), outs, refs, strict=True)):
         if tuple(o.shape) != tuple(r.shape):
             return Verdict(False, f"output {i} has shape {list(o.shape)}, expected {list(r.shape)}")
-        cmp = compare(o, r, tol, floor=1.0)
-        worst = {k: max(worst[k], getattr(cmp, k)) for k in worst}
-        if not cmp.ok:
+        o, r = o.double().cpu(), r.double().cpu()
+        finite = torch.isfinite(r)
+        if torch.isnan(o).any() or not torch.equal(finite, torch.isfinite(o)):
+            return Verdict(False, f"{name}: NaN, or infinities where the reference has none")
+        if not torch.equal(o[~finite], r[~finite]):
+            return Verdict(False, f"{name}: infinities of the wrong sign")
+        err = torch.where(finite, o - r, 0.0).abs()
+        frac = err / bound
+        metrics[f"{name}_bound_frac"] = float(frac.max()) if frac.numel() else 0.0
+        metrics[f"max_abs_d{name}"] = float(err.max()) if err.numel() else 0.0
+        if frac.numel() and bool((frac > 1).any()):
+            t = int(frac.argmax())
             return Verdict(
                 False,
-                f"output {i}: max|err|/max(max|ref|, 1) {cmp.max_rel:.3g}, mean "
-                f"{cmp.mean_rel:.3g} (tolerance {tol.max_rel:.3g} / {tol.mean_rel:.3g}; "
-                "inf/nan must match)",
-                {"max_rel": cmp.max_rel, "mean_rel": cmp.mean_rel},
-                _tol_dict(tol),
+                f"{name}[{t}] off by {float(err[t]):.3g} nats (probability ratio "
+                f"{math.exp(float(err[t])):.6g}), beyond its bound {float(bound[t]):.3g} "
+                f"({LOGPROB_ULPS:g} float32 ulps of the logits' magnitude / temperature): "
+                "logits rounded below float32?",
+                metrics,
+                limits,
             )
-    return Verdict(True, "", worst, _tol_dict(tol))
+    return Verdict(True, "", metrics, limits)
+
+
+def _expert_tie_error(logits, bias, ids, n_group: int) -> str:
+    """Why the router's ``ids`` (``[T, top_k]``, output order) break the lower-id rule
+    among experts that tie exactly on every backend ("" if not): two experts of one
+    group with the same logit bits for a token and the same bias bits have equal
+    choice scores in any arithmetic, so the lower id must be chosen whenever the
+    higher is, and come first."""
+    t, e = logits.shape
+    bits = logits.float().contiguous().view(torch.int32)
+    same = bits[:, :, None] == bits[:, None, :]  # [T, E, E]: i, j
+    if bias is not None:
+        b = bias.float().contiguous().view(torch.int32)
+        same &= (b[:, None] == b[None, :])[None]
+    group = torch.arange(e) // (e // n_group)
+    lower = torch.arange(e)[:, None] < torch.arange(e)[None, :]
+    same &= (lower & (group[:, None] == group[None, :]))[None]
+    top_k = ids.shape[1]
+    position = torch.full((t, e), top_k, dtype=torch.long)  # top_k: not chosen
+    position.scatter_(1, ids, torch.arange(top_k).expand(t, top_k))
+    # i before j chosen: i must be chosen, at an earlier position.
+    bad = same & (position[:, None, :] < top_k) & (position[:, :, None] > position[:, None, :])
+    if not bad.any():
+        return ""
+    tok, i, j = (int(v) for v in bad.nonzero()[0])
+    where = "not chosen" if position[tok, i] == top_k else f"at position {int(position[tok, i])}"
+    return (
+        f"token {tok}: experts {i} and {j} tie exactly (equal logits and biases); {j} is "
+        f"at position {int(position[tok, j])}, {i} {where}: equal scores go to the lower id"
+    )
 
 
 def gate(op, dtype, args, outs, refs) -> Verdict:
@@ -268,6 +425,9 @@ def gate(op, dtype, args, outs, refs) -> Verdict:
     theirs = torch.sort(choice.gather(1, ref_ids.long()), dim=1).values
     if ((mine - theirs).abs() > tol.max_rel * float(choice.abs().max())).any():
         return Verdict(False, "chose different experts than the reference (beyond ties)")
+    tie_error = _expert_tie_error(logits, bias, ids, args[3])
+    if tie_error:
+        return Verdict(False, tie_error)
     want = s.gather(1, ids)
     if norm:
         want = want / (want.sum(dim=-1, keepdim=True) + 1e-20)

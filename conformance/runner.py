@@ -163,7 +163,8 @@ def _packed_weight_case(case: Case) -> bool:
     ``prepare_weight`` converts)."""
     if case.layout is not None and case.layout[0] not in ("w", "w_scale"):
         return False
-    return case.op in PREPARABLE_OPS and case.scheme in SCHEMES and case.name != "qat"
+    qat = case.name.startswith("qat")  # "qat" and the cases built on it: a float weight
+    return case.op in PREPARABLE_OPS and case.scheme in SCHEMES and not qat
 
 
 def _model_case(dtype: torch.dtype) -> Case:

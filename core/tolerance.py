@@ -66,6 +66,15 @@ BY_DTYPE: dict[torch.dtype, Tolerance] = {
 BY_OP: dict[tuple[str, torch.dtype], Tolerance] = {}
 
 
+# token_logprobs, per token, in nats: a kernel that computes the logits in float32
+# (whatever the input dtype: bf16 / fp16 products are exact in float32) errs by about
+# eps32 * A / temperature, A = max_v sum_d |h_d w_vd| the largest magnitude a logit
+# sums, plus float32 rounding of the log-sum-exp. The judge's bound is
+# LOGPROB_ULPS * eps32 * (A / temperature + log V + 1) per token, on logp and on the
+# entropy alike; exp(bound) bounds each token's probability ratio.
+LOGPROB_ULPS = 64.0
+
+
 def tolerance(op: str, dtype: torch.dtype) -> Tolerance:
     """The tolerance for ``op`` computing in ``dtype``."""
     return BY_OP.get((op, dtype), BY_DTYPE.get(dtype, BY_DTYPE[torch.float32]))

@@ -322,7 +322,9 @@ def test_the_indexer_judge_names_a_missing_key_as_such():
     t, n, topk = 2, 10, 4
     start, end = torch.zeros(t, dtype=torch.int32), torch.full((t,), n, dtype=torch.int32)
     scores = torch.arange(t * n, dtype=torch.float64).view(t, n)
-    args = (None, None, None, start, end, topk)
+    # Distinct positive keys, a positive query: no exact ties for the tie-order rule.
+    q, k = torch.ones(t, 1, 2), torch.arange(1.0, 2 * n + 1).view(n, 2)
+    args = (q, k, None, start, end, topk)
     idx = torch.tensor([[9, 8, 7, 6], [9, 8, 7, -1]], dtype=torch.int32)
     vals = torch.tensor([[9.0, 8, 7, 6], [19, 18, 17, float("-inf")]])
     verdict = indexer("lightning_indexer", torch.float32, args, (idx, vals), scores)
