@@ -360,8 +360,8 @@ def logprobs(op, dtype, args, outs, refs) -> Verdict:
             t = int(frac.argmax())
             return Verdict(
                 False,
-                f"{name}[{t}] off by {float(err[t]):.3g} nats (probability ratio "
-                f"{math.exp(float(err[t])):.6g}), beyond its bound {float(bound[t]):.3g} "
+                f"{name}[{t}] off by {float(err[t]):.3g} nats (a probability ratio of "
+                f"exp({float(err[t]):.3g})), beyond its bound {float(bound[t]):.3g} nats "
                 f"({LOGPROB_ULPS:g} float32 ulps of the logits' magnitude / temperature): "
                 "logits rounded below float32?",
                 metrics,
