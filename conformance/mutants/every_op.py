@@ -8,12 +8,20 @@ from collections.abc import Callable
 
 import torch
 
+from glmport.core.formats import FP8_DTYPE, SCHEMES
 from glmport.core.registry import Kernel
 from glmport.core.specs import OP_NAMES, SPECS
 
 from .base import add, on_args, on_outputs, same_width_int
 
 TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+# Optional tensors given only with some feature value: their stride mutants apply only
+# to backends that take such calls (``Mutant.only``).
+GIVEN_WITH = {
+    "q_scale": {"dtype": (FP8_DTYPE,)},
+    "k_scale": {"dtype": (FP8_DTYPE,)},
+    "w_scale": {"scheme": tuple(SCHEMES)},
+}
 
 
 def first_output_edited(edit: Callable[[torch.Tensor], None]) -> Callable[[Kernel], Kernel]:
@@ -89,4 +97,5 @@ for _op in OP_NAMES:
                 f"reads '{_arg}' as if it were contiguous (its strides ignored)",
                 f"layout: a non-contiguous or stride-0 '{_arg}'",
                 _ignores_stride(_pos),
+                **GIVEN_WITH.get(_arg, {}),
             )
