@@ -377,6 +377,12 @@ def _conformance_mutants(args: argparse.Namespace, plugins: list[str]) -> int:
     mutation.check_mutable(base, emulate)
     ops = environment.parse_op_names(args.ops, "--ops") if args.ops else None
     chosen, inapplicable = mutation.mutants_for(base, ops)
+    if not chosen:
+        raise ConfigError(
+            f"--mutants: no mutant applies to {base!r}"
+            + (f" among --ops {args.ops}" if ops else "")
+            + f" ({next(iter(inapplicable.values()), 'the library is empty')})"
+        )
     command = " ".join(
         ["glmport conformance --mutants --backend", base, *(["--emulate"] if emulate else [])]
         + [*(["--full"] if args.full else []), *(["--ops", args.ops] if args.ops else [])]

@@ -197,6 +197,7 @@ def test_conformance_mutants_end_to_end(tmp_path, capsys):
         (["--matrix"], "--matrix: not with --mutants"),
         (["--backend", "onnxruntime"], "cannot be mutated"),
         (["--ops", "nope"], "nope"),
+        (["--backend", "ascend", "--emulate", "--ops", "quantize"], "no mutant applies"),
     ],
 )
 def test_conformance_mutants_refuses_bad_combinations_in_one_line(extra, message, capsys, tmp_path):
