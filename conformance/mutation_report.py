@@ -3,7 +3,8 @@ survivors with the case family each needs, as ``mutants.json`` and ``mutants.md`
 
 The kill rate is killed / (killed + survived): mutants the suite never ran on the
 base's own kernels (``unexercised``) and broken ones (the mutation's own code raised)
-are counted and listed apart, never as kills.
+are counted and listed apart, never as kills. A survivor's ``base_failures`` are the
+checks that fail it but fail the base too: the base must pass them before they count.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ def build_report(
             if r["status"] == "killed" and r["killed_by"]["outcome"] == "error"
         ),
         "survivors": [
-            {k: r[k] for k in ("id", "kind", "breaks", "needs")}
+            {
+                **{k: r[k] for k in ("id", "kind", "breaks", "needs")},
+                "base_failures": r.get("base_failures", []),
+            }
             for r in results
             if r["status"] == "survived"
         ],
@@ -118,8 +122,15 @@ def markdown(report: dict) -> str:
         "",
     ]
     if report["survivors"]:
-        lines += ["| mutant | what breaks | the case family it needs |", "|---|---|---|"]
-        lines += [f"| `{s['id']}` | {s['breaks']} | {s['needs']} |" for s in report["survivors"]]
+        lines += [
+            "| mutant | what breaks | the case family it needs | checks it fails that fail "
+            "the base too |",
+            "|---|---|---|---:|",
+        ]
+        lines += [
+            f"| `{s['id']}` | {s['breaks']} | {s['needs']} | {len(s['base_failures'])} |"
+            for s in report["survivors"]
+        ]
     else:
         lines.append("None: every mutant was killed.")
     if report["killed_by_family"]:

@@ -152,7 +152,8 @@ def test_a_backend_whose_model_check_never_reaches_its_kernels_is_refused():
 def _result(status, op="rms_norm", family="tiny", outcome="fail"):
     killed_by = {"family": family, "outcome": outcome} if status == "killed" else None
     return {"id": f"{op}.{status}-{family}-{outcome}", "op": op, "kind": "k", "breaks": "b",
-            "needs": "n", "status": status, "killed_by": killed_by, "broken_by": ""}  # fmt: skip
+            "needs": "n", "status": status, "killed_by": killed_by, "broken_by": "",
+            "base_failures": ["a check"] if status == "survived" else []}  # fmt: skip
 
 
 def test_the_kill_rate_counts_killed_over_killed_and_survived():
@@ -174,7 +175,7 @@ def test_the_kill_rate_counts_killed_over_killed_and_survived():
     assert report["killed_by_error"] == ["rope.killed-edge-error"]
     assert [s["id"] for s in report["survivors"]] == ["rope.survived-tiny-fail"]
     text = mutation_report.markdown(report)
-    assert "| `rope.survived-tiny-fail` | b | n |" in text and "75.0%" in text
+    assert "| `rope.survived-tiny-fail` | b | n | 1 |" in text and "75.0%" in text
 
 
 def test_conformance_mutants_end_to_end(tmp_path, capsys):
