@@ -6,5 +6,8 @@ model in ``model_case``), reports (``report``; the HTML page in ``html``) and th
 pytest module (``suite``), driven by the ``pytest_glmport`` plug-in and ``glmport
 conformance``. The portability tools judge with the same judges: ``diff`` (``glmport
 diff``: where two backends part ways on a model) and ``matrix`` (``glmport conformance
---matrix``: every backend pair's model-level mismatch).
+--matrix``: every backend pair's model-level mismatch). The suite's own power:
+``mutants`` (a library of porting bugs), ``mutation`` (one mutant judged),
+``mutation_suite`` and ``mutation_report`` (``glmport conformance --mutants``: the
+kill rate).
 """

@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -368,7 +369,7 @@ def _conformance_scorecard(args: argparse.Namespace) -> int:
 
     given = {"--backend": args.backend, "--ops": args.ops, "--full": args.full,
              "--emulate": args.emulate, "--matrix": args.matrix, "--backends": args.backends,
-             "--dtypes": args.dtypes}  # fmt: skip
+             "--dtypes": args.dtypes, "--mutants": args.mutants}  # fmt: skip
     if any(given.values()):
         flags = ", ".join(f for f, v in given.items() if v)
         raise ConfigError(f"{flags}: not with --scorecard (it reads finished runs)")
@@ -379,6 +380,48 @@ def _conformance_scorecard(args: argparse.Namespace) -> int:
     print(markdown(card))
     print("reports: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _conformance_mutants(args: argparse.Namespace, plugins: list[str]) -> int:
+    """``glmport conformance --mutants``: the suite's kill rate on mutants of a backend."""
+    from glmport.conformance import mutation, mutation_report, mutation_suite
+    from glmport.core.selection import current_settings, primary_backend, use_backend
+
+    not_with_mutants = [f for f, v in (("--matrix", args.matrix), ("--backends", args.backends)) if v]
+    not_with_mutants += ["--dtypes"] if args.dtypes is not None else []
+    not_with_mutants += ["--mustpass"] if args.mustpass is not None else []
+    if not_with_mutants:
+        raise ConfigError(f"{', '.join(not_with_mutants)}: not with --mutants")
+    emulate = args.emulate or current_settings().emulate
+    base = args.backend or (plugins[0] if plugins else environment.read("GLMPORT_BACKEND"))
+    if base == "auto":
+        with use_backend(emulate=emulate):
+            base = primary_backend()
+    mutation.check_mutable(base, emulate)
+    ops = environment.parse_op_names(args.ops, "--ops") if args.ops else None
+    chosen, inapplicable = mutation.mutants_for(base, ops)
+    if not chosen:
+        raise ConfigError(
+            f"--mutants: no mutant applies to {base!r}"
+            + (f" among --ops {args.ops}" if ops else "")
+            + f" ({next(iter(inapplicable.values()), 'the library is empty')})"
+        )
+    command = " ".join(
+        ["glmport conformance --mutants --backend", base, *(["--emulate"] if emulate else [])]
+        + [*(["--full"] if args.full else []), *(["--ops", args.ops] if args.ops else [])]
+        + [f"--plugin {t}" for t in args.plugin] + ["-n", args.workers]
+    )  # fmt: skip
+    plan = mutation_suite.Plan(base, emulate, args.full, tuple(m.id for m in chosen))
+    start = time.perf_counter()
+    results = mutation_suite.run_suite(plan, args.workers, plugins=args.plugin)
+    report = mutation_report.build_report(
+        results, base=base, emulate=emulate, full=args.full, inapplicable=inapplicable,
+        command=command, workers=args.workers, seconds=time.perf_counter() - start,
+    )  # fmt: skip
+    paths = mutation_report.write_reports(report, args.report_dir)
+    print(mutation_report.markdown(report))
+    print("reports: " + ", ".join(str(p) for p in paths))
+    return 1 if report["broken"] else 0
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
@@ -396,6 +439,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         return _conformance_scorecard(args)
     if args.bench:
         raise ConfigError("--bench goes with --scorecard (its peaks fill the scorecard)")
+    if args.mutants:
+        return _conformance_mutants(args, plugins)
     if args.matrix:
         return _conformance_matrix(args)
     if args.mustpass is not None:
@@ -1144,6 +1189,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the suite: the tiny GLM-5's mismatch between every pair of backends "
         "(matrix.json/.md/.png and conformance.html in --report-dir)",
+    )
+    conf.add_argument(
+        "--mutants",
+        action="store_true",
+        help="instead of the suite: its kill rate on the library of porting mutants of "
+        "--backend (each op's kernel with one standard bug), mutants.json/.md in --report-dir",
     )
     conf.add_argument(
         "--backends",
