@@ -114,7 +114,12 @@ def _per_dtype(op, name, family, params: dict, make, dtypes=FLOATS, **fields) ->
 # -- attention ---------------------------------------------------------------------
 
 
-def _attention(t, h, hkv, dk, dv, n, k, *, absorbed=False, pattern="random", index_dtype="int32"):
+def _attention(
+    t, h, hkv, dk, dv, n, k, *, absorbed=False, pattern="random", index_dtype="int32", sharpness=1.0
+):
+    """``sparse_attention`` arguments; ``sharpness`` multiplies the softmax scale
+    ``Dk ** -0.5`` (40: scores of +-100 and more, past float32's ``exp`` range)."""
+
     def build(gen, dtype):
         q = _randn(gen, t, h, dk, dtype=dtype)
         kv = _randn(gen, n, hkv, dk, dtype=dtype)
@@ -138,7 +143,7 @@ def _attention(t, h, hkv, dk, dv, n, k, *, absorbed=False, pattern="random", ind
                 idx = torch.cat((idx, torch.full((t, k), -1, dtype=torch.int32)), dim=1)
             elif pattern == "wide":  # the ids at 2**16 and the last slot in every row
                 idx[:, :2] = torch.tensor([WIDE_ID, n - 1], dtype=torch.int32)
-        return q, kv, v, idx.to(getattr(torch, index_dtype)), dk**-0.5
+        return q, kv, v, idx.to(getattr(torch, index_dtype)), sharpness * dk**-0.5
 
     return build
 
@@ -238,6 +243,14 @@ def attention_cases() -> Iterator[Case]:
         # Past every tile a kernel takes: K 520 (32 / 64 / 512 slots), Dk 144 and Dv 80
         # (64 / 128), 20 query heads per 2 kv heads (head blocks of 4 / 16).
         ("tail", "tail", dict(t=3, h=20, hkv=2, dk=144, dv=80, n=700, k=520), FLOATS),
+        # Sharp attention (scores past 88, where float32's exp overflows): a softmax
+        # must subtract the row's max before exponentiating.
+        (
+            "sharp",
+            "sharp",
+            dict(t=4, h=4, hkv=2, dk=32, dv=16, n=64, k=24, sharpness=40.0),
+            FLOATS,
+        ),
     ]
     for name, family, p, quick in hard:
         pattern = {"ids": "wide", "duplicates": "repeated"}.get(family, "random")

@@ -387,7 +387,9 @@ def _conformance_mutants(args: argparse.Namespace, plugins: list[str]) -> int:
     from glmport.conformance import mutation, mutation_report, mutation_suite
     from glmport.core.selection import current_settings, primary_backend, use_backend
 
-    not_with_mutants = [f for f, v in (("--matrix", args.matrix), ("--backends", args.backends)) if v]
+    not_with_mutants = [
+        f for f, v in (("--matrix", args.matrix), ("--backends", args.backends)) if v
+    ]
     not_with_mutants += ["--dtypes"] if args.dtypes is not None else []
     not_with_mutants += ["--mustpass"] if args.mustpass is not None else []
     if not_with_mutants:
