@@ -164,12 +164,17 @@ def test_the_manifest_names_an_npu_op_for_every_declared_op():
 
 def _routed_to_generic_inside_the_adapter(op: str, args: tuple) -> bool:
     """The value-dependent calls the GEMM adapters document running on the generic
-    composite (no capability feature says them): int4 K / group sizes the ops refuse."""
+    composite (no capability feature says them): int4 K / group sizes the ops refuse,
+    and a quantised grouped GEMM with float32 activations (``npu_grouped_matmul`` takes
+    float32 ``x`` with float weights only; the capability's dtype limit cannot say
+    "with a scheme")."""
     if op == "quant_gemm" and args[3] == "w4a16":
         k = args[0].shape[1]
         return not gemm._wqbmm_takes(k, k // args[2].shape[1])
-    if op == "grouped_gemm" and args[4] == "w4a16":
-        return not gemm._gmm_int4_takes(args[0].shape[1])
+    if op == "grouped_gemm" and args[4] != "none":
+        return args[0].dtype == torch.float32 or (
+            args[4] == "w4a16" and not gemm._gmm_int4_takes(args[0].shape[1])
+        )
     return False
 
 
