@@ -10,12 +10,13 @@ float32 overflow bounds from a cache's max magnitude) cost as much as the op at 
 shapes, so only ``GLMPORT_VALIDATE=strict`` runs them.
 
 Float32 overflow on finite inputs is refused before the kernel by bounds from the max
-magnitudes of the inputs (``within_fp32``; ``finite`` returns the magnitude it read, so
-a bound costs no second scan): at ``full`` from the inputs it scans, at ``strict``
+magnitudes of the inputs (``within_range``; ``finite`` returns the magnitude it read,
+so a bound costs no second scan): at ``full`` from the inputs it scans, at ``strict``
 from all. A bound that needs a cache or a weight is therefore strict-only; at ``full``
 the op's outputs are checked instead (:func:`first_overflow`, one sync), and only a
 call whose outputs show an overflow pays for the strict checks, which then refuse it
-with their own message (see ``OpSpec.result_guard``).
+with their own message; a float16 / bfloat16 output runs the same bounds against its
+own dtype's range (see ``OpSpec.validate_result``).
 """
 
 from __future__ import annotations
@@ -70,11 +71,15 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
 class Checker:
     """Check helpers bound to one op, so every message names the op."""
 
-    def __init__(self, op: str, *, metadata: bool = True) -> None:
+    def __init__(
+        self, op: str, *, metadata: bool = True, range_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.op = op
         # False: this call's signature passed the metadata checks before, so they
         # return at once and only the value checks run.
         self.metadata = metadata
+        # The dtype whose range the overflow bounds (within_range) are held to.
+        self.range_dtype = range_dtype
 
     def fail(self, arg: str, expected: str, got: str, hint: str = "") -> None:
         raise OpInputError(self.op, arg, expected, got, hint)
@@ -218,15 +223,18 @@ class Checker:
             self.fail(arg, "finite and > 0 everywhere (scales)", f"a value {bad}")
         return hi
 
-    def within_fp32(self, arg: str, bound: float, what: str, need: str = "small") -> None:
+    def within_range(self, arg: str, bound: float, what: str, need: str = "small") -> None:
         """Fail on ``arg`` when ``bound`` (an upper bound of ``what``, from the inputs'
-        max magnitudes) exceeds the float32 range: kernels compute ``what`` in float32,
-        where it would overflow to inf and give NaN or zeros. A NaN bound (NaN input)
-        passes: NaN inputs propagate."""
-        if bound > FP32_MAX:
+        max magnitudes) exceeds the range of ``range_dtype`` (float32: kernels compute
+        ``what`` in float32, where it would overflow to inf and give NaN or zeros; a
+        narrower output dtype, after the kernel: see ``OpSpec.validate_result``). A NaN
+        bound (NaN input) passes: NaN inputs propagate."""
+        limit = torch.finfo(self.range_dtype).max
+        if bound > limit:
             self.fail(
                 arg,
-                f"{need} enough to keep {what} within float32 range (<= {FP32_MAX:.3g})",
+                f"{need} enough to keep {what} within {_dtype_name(self.range_dtype)} "
+                f"range (<= {limit:.3g})",
                 f"inputs that bound it by {bound:.3g}",
             )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level, abs_max
-from .base import OpSpec, ResultGuard, invoke
+from .base import OpSpec, invoke
 
 
 def _check(c: Checker, q, k, v, indices, scale, *, values):
@@ -22,7 +22,7 @@ def _check(c: Checker, q, k, v, indices, scale, *, values):
     c.tensor("indices", indices, shape=(("T", t), None))
     c.positive_float("scale", scale)
     # Kernels scale scores by it times log2(e) (exp2 softmax): keep that finite too.
-    c.within_fp32("scale", 2 * scale, "2 * scale")
+    c.within_range("scale", 2 * scale, "2 * scale")
     c.same_device(q=q, k=k, v=v, indices=indices)
     if values:
         c.in_range("indices", indices, -1, n)  # T x K ints: what a gather could misuse
@@ -30,11 +30,11 @@ def _check(c: Checker, q, k, v, indices, scale, *, values):
         # The softmax subtracts the max score: differences reach twice the largest |s|,
         # times log2(e) in an exp2 softmax; q . k is formed before a scale < 1 shrinks it.
         scores = max(scale, 1.0) * abs_max(q) * abs_max(k) * dk
-        c.within_fp32(
+        c.within_range(
             "scale", 3 * scores, "the score spread 3 * max(scale, 1) * max|q| * max|k| * Dk"
         )
         # An online softmax sums up to K rows of v at weight <= 1 before normalising.
-        c.within_fp32("v", indices.shape[1] * abs_max(v), "K * max|v|")
+        c.within_range("v", indices.shape[1] * abs_max(v), "K * max|v|")
 
 
 def _guarded_outputs(outs, q, k, v, indices, scale):
@@ -66,7 +66,7 @@ SPARSE_ATTENTION = OpSpec(
     },
     feature_names=("dtype", "q_heads", "kv_heads", "head_dim", "v_head_dim", "topk"),
     differentiable=("q", "k", "v"),
-    result_guard=ResultGuard("scale", "the scores scale * q . k", _guarded_outputs),
+    result_guard=_guarded_outputs,
 )
 
 

@@ -7,19 +7,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import GlmportError, OpInputError
+from ..errors import GlmportError
 from ..validate import FP32_MAX, Checker, Level, first_overflow
 
+# ``guard(outs, *args)``: the outputs that show an overflow, as ``(name, output,
+# neg_inf)``, ``neg_inf`` the number of ``-inf`` the contract puts in that output.
+ResultGuard = Callable[..., list[tuple[str, torch.Tensor, object]]]
 
-@dataclass(frozen=True)
-class ResultGuard:
-    """What shows an overflow in an op's outputs: ``outputs(outs, *args)`` lists
-    ``(name, output, neg_inf)``, ``neg_inf`` the number of ``-inf`` the contract puts
-    in that output; a refusal names argument ``arg`` and says ``what`` overflowed."""
 
-    arg: str
-    what: str
-    outputs: Callable[..., list[tuple[str, torch.Tensor, object]]]
+def single_output(name: str) -> ResultGuard:
+    """The guard of an op with one output, ``name``, where no ``-inf`` belongs."""
+    return lambda out, *args: [(name, out, 0)]
 
 
 @dataclass(frozen=True)
@@ -36,7 +34,7 @@ class OpSpec:
     closed-form gradients: ``backward(inputs, grad_outputs) -> grads per input``;
     ``tie_outputs`` are integer outputs whose order may legally differ between
     backends when scores tie (compare them through the scores instead);
-    ``result_guard`` names the outputs that show an overflow (see :class:`ResultGuard`).
+    ``result_guard`` names the outputs that show an overflow (see :data:`ResultGuard`).
     """
 
     name: str
@@ -82,28 +80,24 @@ class OpSpec:
     def validate_result(self, args: tuple, outs: object, level: Level) -> None:
         """After the kernel (``GLMPORT_VALIDATE=full`` and up): when the outputs show an
         overflow, find out whose. The checks of ``strict`` (whole-cache scans, bounds
-        from every input) raise their own ``OpInputError`` if the inputs are to blame;
-        if they pass, an output narrower than float32 (float16) overflowed its dtype,
-        which is refused too; anything else is the kernel's own result and stands (the
-        conformance judge sees it). Clean outputs cost one sync, nothing more."""
-        guard = self.result_guard
-        if guard is None:
+        from every input) raise their own ``OpInputError`` if the inputs are to blame.
+        If they pass and the overflowed output is narrower than float32 (float16,
+        bfloat16), the same bounds are held to that dtype's range: inputs that could
+        overflow it are refused as well. Anything else is the kernel's own result and
+        stands (the conformance judge sees it: a NaN from a softmax that forgot its
+        max is the kernel's bug, not the caller's). Clean outputs cost one sync."""
+        if self.result_guard is None:
             return
         with torch.no_grad():
-            hit = first_overflow(guard.outputs(outs, *args))
+            hit = first_overflow(self.result_guard(outs, *args))
         if hit is None:
             return
         if level < Level.STRICT:
             self.validate(args, values=Level.STRICT, metadata=False)
-        name, out = hit
+        out = hit[1]
         if torch.finfo(out.dtype).max < FP32_MAX:
-            raise OpInputError(
-                self.name,
-                guard.arg,
-                f"small enough to keep {guard.what} within "
-                f"{str(out.dtype).removeprefix('torch.')} range",
-                f"NaN or inf in the output '{name}'",
-            )
+            narrow = Checker(self.name, metadata=False, range_dtype=out.dtype)
+            self.check(narrow, *args, values=Level.STRICT)
 
 
 # glmport.core.library installs dispatch.run here when it registers the ops: the path

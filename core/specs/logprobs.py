@@ -28,7 +28,7 @@ def _check(c: Checker, hidden, lm_head, targets, temperature, *, values):
         # p * z over the vocabulary: V * max|z| must fit too.
         a = abs_max(hidden) * abs_max(lm_head) * d
         bound = 2 * a * max(1.0, lm_head.shape[0] / temperature)
-        c.within_fp32(
+        c.within_range(
             "temperature",
             bound,
             "2 * max|h . w| * max(1, V / temperature), h . w / temperature the logits",

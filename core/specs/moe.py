@@ -6,7 +6,7 @@ import torch
 
 from ..formats import FLOAT_WEIGHT, dequantize_weight, fake_quant_activation
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level, abs_max
-from .base import OpSpec, ResultGuard, invoke, invoke_prepared
+from .base import OpSpec, invoke, invoke_prepared, single_output
 from .quant import (
     PRODUCT_GUARD,
     PreparedWeight,
@@ -50,7 +50,7 @@ def _check_gate(
         c.fail("top_k", f"<= the {reachable} experts in the kept groups", repr(top_k))
     c.positive_float("routed_scaling_factor", routed_scaling_factor)
     # Weights are at most 1 before the scaling: the product must stay a float32.
-    c.within_fp32("routed_scaling_factor", routed_scaling_factor, "routed_scaling_factor")
+    c.within_range("routed_scaling_factor", routed_scaling_factor, "routed_scaling_factor")
     if not isinstance(norm_topk_prob, bool):
         c.fail("norm_topk_prob", "a bool", repr(norm_topk_prob))
     c.choice("score_func", score_func, SCORE_FUNCS)
@@ -60,7 +60,7 @@ def _check_gate(
             bias_max = c.finite("bias", bias)
             # A group scores the sum of its best two choice scores s + bias, s in [0, 1]:
             # an overflow to inf would tie groups the exact scores tell apart.
-            c.within_fp32("bias", 2 * (1 + bias_max), "a group's score 2 * (1 + max|bias|)")
+            c.within_range("bias", 2 * (1 + bias_max), "a group's score 2 * (1 + max|bias|)")
 
 
 def _fake_gate(logits, bias, top_k, *_):
@@ -213,7 +213,7 @@ def _check_combine(c: Checker, y_sorted, src_row, weights, *, values):
         w_max = c.finite("weights", weights)
         if values >= Level.STRICT:  # y_sorted: as large as the op's whole input
             bound = weights.shape[1] * w_max * abs_max(y_sorted)
-            c.within_fp32("weights", bound, "a weighted sum (k * max|weights| * max|y_sorted|)")
+            c.within_range("weights", bound, "a weighted sum (k * max|weights| * max|y_sorted|)")
 
 
 def _fake_combine(y_sorted, src_row, weights):
@@ -232,9 +232,7 @@ MOE_COMBINE = OpSpec(
     },
     feature_names=("dtype", "hidden", "top_k"),
     differentiable=("y_sorted", "weights"),
-    result_guard=ResultGuard(
-        "weights", "the weighted sums of y_sorted", lambda out, *args: [("out", out, 0)]
-    ),
+    result_guard=single_output("out"),
 )
 
 
