@@ -217,7 +217,7 @@ def attention_cases() -> Iterator[Case]:
     # (name, family, shape, the dtypes quick mode takes: the others run with --full)
     hard = [
         # Slot ids past 2**16 (near 2**17 and 2**20, small heads keep the key pool at
-        # 8 / 16 MB), int32 and int64; ascend's absorbed MLA shape past 2**16 in --full.
+        # 8 / 16 MB), int32 and int64; ascend's absorbed MLA shape past 2**16 (150 MB).
         ("ids_2e17", "ids", dict(t=3, h=2, hkv=1, dk=16, dv=16, n=2**17 + 40, k=16), FLOATS),
         (
             "ids_2e17_int64",
@@ -230,7 +230,7 @@ def attention_cases() -> Iterator[Case]:
             "ids_absorbed_2e16",
             "ids",
             dict(t=2, h=4, hkv=1, dk=576, dv=512, n=2**16 + 64, k=16, absorbed=True),
-            (),
+            bf16,
         ),
         # A slot listed two or more times counts as often (docs/ops.md).
         ("repeated", "duplicates", dict(t=4, h=4, hkv=2, dk=32, dv=16, n=20, k=12), FLOATS),
@@ -251,10 +251,29 @@ def attention_cases() -> Iterator[Case]:
             dict(t=4, h=4, hkv=2, dk=32, dv=16, n=64, k=24, sharpness=40.0),
             FLOATS,
         ),
+        # The same at absorbed MLA's shape, the only one vendor MLA kernels take
+        # (ascend's): a scale that is not Dk ** -0.5, ragged rows with row 0 empty.
+        (
+            "sharp_absorbed",
+            "sharp",
+            dict(
+                t=5,
+                h=8,
+                hkv=1,
+                dk=576,
+                dv=512,
+                n=96,
+                k=40,
+                absorbed=True,
+                sharpness=40.0,
+                pattern="ragged",
+            ),
+            (torch.bfloat16,),
+        ),
     ]
     for name, family, p, quick in hard:
         pattern = {"ids": "wide", "duplicates": "repeated"}.get(family, "random")
-        make = _attention(**p, pattern=pattern)
+        make = _attention(**{"pattern": pattern, **p})
         for dtype in FLOATS:
             yield from _per_dtype(
                 "sparse_attention", name, family, p, make, dtypes=(dtype,),
@@ -379,14 +398,22 @@ def indexer_cases() -> Iterator[Case]:
 
 def _indexer_hard_cases() -> Iterator[Case]:
     """``lightning_indexer`` slot ids past 2**16 (ranges of 100-300 keys near 2**16,
-    2**17 and 2**20; Di 128 is ascend's), exact ties of many (ReLU zeros) and a tile
-    apart, and tiles at the tail. Quick mode takes the dtypes listed, ``--full`` all."""
+    2**17 and 2**20; Di 128 is ascend's), short and empty ranges at Di 128, exact ties
+    of many (ReLU zeros) and a tile apart, and tiles at the tail. Quick mode takes the
+    dtypes listed, ``--full`` all."""
     bf16_fp8 = (torch.bfloat16, FP8_DTYPE)
     wide = dict(t=4, hi=2, di=16, topk=16, ranges="windows")
     hard = [
         ("ids_2e17", "ids", dict(wide, n=2**17 + 300), bf16_fp8),
         ("ids_2e17_d128", "ids", dict(wide, di=128, n=2**17 + 300), (torch.bfloat16,)),
         ("ids_2e20", "ids", dict(wide, n=2**20 + 100), (torch.bfloat16,)),
+        # Ranges shorter than topk, one empty, at the 128-dim heads vendor indexers take.
+        (
+            "short_ranges_d128",
+            "edge",
+            dict(t=5, hi=4, di=128, n=12, topk=16, ranges="empty_row"),
+            (torch.bfloat16,),
+        ),
         (
             "relu_zeros",
             "ties",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import glmport
+from glmport.conformance.mutants import LIBRARY
 from glmport.conformance.runner import run_check, suite_checks
 from glmport.core.formats import FP8_DTYPE
 from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest
@@ -166,6 +167,12 @@ def _quantize_multiplies_first(x, fmt, group_size=128):
     return q, s
 
 
+def _attention_softmax_without_max(q, k, v, indices, scale):
+    """The mutant library's softmax that exponentiates the scores unshifted."""
+    mutated = LIBRARY["sparse_attention.softmax_without_max"].wrap(_ref("sparse_attention"))
+    return mutated(q, k, v, indices, scale)
+
+
 # bug: (op, kernel, the family whose cases must fail it, a case name among the failures,
 # words the reason must contain ("" where the judge compares values only))
 PLANTED = {
@@ -191,6 +198,13 @@ PLANTED = {
         _attention_dense_slot_mask,
         "duplicates",
         "repeated",
+        "",
+    ),
+    "attention_softmax_without_max": (
+        "sparse_attention",
+        _attention_softmax_without_max,
+        "sharp",
+        "sharp",
         "",
     ),
     "indexer_higher_slot_wins_ties": (
