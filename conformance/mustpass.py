@@ -23,6 +23,7 @@ fail the version; skipped checks keep their reason. Both are listed, never dropp
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -335,8 +336,11 @@ def cut(directory: Path | None = None, version: str | None = None) -> tuple[Path
         )
     if version != following:
         raise ConfigError(f"mustpass cut: version {version!r}: the next version is {following}")
+    today = datetime.date.today().isoformat()  # versions of one release told apart
     listing = listing_of(
-        suite_checks(), version, f"the quick suite of glmport {stack_versions()['glmport']}"
+        suite_checks(),
+        version,
+        f"the quick suite of glmport {stack_versions()['glmport']}, {today}",
     )
     new = {i for ops in listing["families"].values() for d in ops.values() for ids in d.values()
            for i in ids}  # fmt: skip
