@@ -23,30 +23,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Mapping
 
 from glmport.core.extras import pip_command
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability, Kernel
 
-INTERPRET_VAR = "TRITON_INTERPRET"
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels defined now run in the interpreter (on CPU tensors).
-    Here, not in ``runtime``, because the probe must ask without importing triton."""
-    return os.environ.get(INTERPRET_VAR, "0") not in ("", "0")
-
-
-def _triton_mode() -> bool | None:
-    """True / False when triton is already imported interpreted / compiled in this
-    process (its own ``@triton.jit`` helpers such as ``tl.sum`` are defined at import,
-    in one mode), None before its first import."""
-    if "triton" not in sys.modules:
-        return None
-    import triton.language as tl
-
-    return type(tl.standard.sum).__name__ == "InterpretedFunction"
+from .mode import INTERPRET_VAR, interpreting, triton_mode
 
 
 class CudaBackend(Backend):
@@ -90,7 +72,7 @@ class CudaBackend(Backend):
     def probe(self, emulate: bool) -> Availability:
         if importlib.util.find_spec("triton") is None:
             return Availability(False, f"triton not installed: {pip_command(['cuda'], ['triton'])}")
-        mode = _triton_mode()
+        mode = triton_mode()
         if emulate:
             if mode is False:
                 return Availability(

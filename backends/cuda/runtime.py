@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting  # re-exported: the kernel modules ask here
+from .mode import interpreting  # re-exported: the kernel modules ask here
 
 
 def _patch_languages_once_per_launch() -> None:
