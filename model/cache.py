@@ -26,9 +26,9 @@ import torch
 
 from glmport.core.errors import ConfigError, GlmportError, check_int
 
-from .choices import active_tape
 from .config import GlmMoeDsaConfig
 from .modeling import DecoderLayer
+from .tape_protocol import active_tape
 
 if TYPE_CHECKING:
     from .causal_lm import GlmMoeDsaForCausalLM

@@ -13,8 +13,10 @@ from torch import nn
 
 from glmport.core.errors import ConfigError
 
+from .blocks import Experts, Router
 from .config import GlmMoeDsaConfig
-from .modeling import CausalLMOutput, Experts, GlmMoeDsaModel, Router, pack
+from .modeling import CausalLMOutput, GlmMoeDsaModel
+from .packing import pack
 from .weights import (
     atomic_folder,
     fuse_experts,
@@ -114,13 +116,22 @@ def _check_one_dtype(state: Mapping[str, torch.Tensor], weights: set[str]) -> No
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
-    """GLM-5 with its LM head (and MTP layers under ``model.layers``)."""
+    """GLM-5 with its LM head (and MTP layers under ``model.layers``).
 
-    def __init__(self, config: GlmMoeDsaConfig) -> None:
+    ``GlmMoeDsaForCausalLM(config)`` is initialised as transformers initialises it
+    (:meth:`init_weights`), drawing from the global RNG (``torch.manual_seed``), in the
+    default dtype and on the default device; built on the meta device it holds shapes
+    only and nothing is drawn. ``initialize=False`` leaves the routed experts and the
+    routers uninitialised (``torch.empty``): for callers that fill every weight next.
+    """
+
+    def __init__(self, config: GlmMoeDsaConfig, *, initialize: bool = True) -> None:
         super().__init__()
         self.config = config
         self.model = GlmMoeDsaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if initialize and self.lm_head.weight.device.type != "meta":
+            self.init_weights(seed=None)
 
     # -- construction ----------------------------------------------------------------
 
@@ -132,24 +143,32 @@ class GlmMoeDsaForCausalLM(nn.Module):
         device: str | torch.device | None = None,
         seed: int | None = 0,
     ) -> GlmMoeDsaForCausalLM:
-        """A randomly initialised model (``device="meta"`` for shapes and counts only)."""
+        """A randomly initialised model (``device="meta"`` for shapes and counts only),
+        its weights drawn from a generator seeded with ``seed`` (None: the global RNG)."""
         if isinstance(config, str):
             config = GlmMoeDsaConfig.preset(config)
         with torch.device(device or "cpu"):
-            model = cls(config)
+            model = cls(config, initialize=False)
         if str(device) != "meta":
             model.init_weights(seed)
         return model
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = 0) -> None:
-        """HF's initialisation: normal(0, initializer_range) weights, unit norms, zero
-        biases; each MTP layer's embedding and head start as copies of the main ones."""
+        """HF's initialisation: normal(0, initializer_range) weights (the routed experts'
+        and the routers' too), unit norms, zero biases; each MTP layer's embedding and
+        head start as copies of the main ones. Draws on the cpu from a generator seeded
+        with ``seed``, or from the global cpu RNG (``torch.manual_seed``) when None, so
+        a seed gives the same weights on every device."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = self.config.initializer_range
+
+        def normal(shape: torch.Size) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device="cpu") * std
+
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                module.weight.copy_(normal(module.weight.shape))
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, nn.LayerNorm):
@@ -157,7 +176,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
                 module.bias.zero_()
             elif isinstance(module, (Experts, Router)):
                 for p in module.parameters(recurse=False):
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.copy_(normal(p.shape))
             elif hasattr(module, "eps") and isinstance(
                 getattr(module, "weight", None), nn.Parameter
             ):
@@ -200,8 +219,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         if config.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in state):
             log.info("glmport: %s has no MTP layer tensors; loading without MTP", path)
             config.num_nextn_predict_layers = 0
-        with torch.device("meta"):
-            model = cls(config)
+        with torch.device("meta"):  # shapes only: every tensor comes from the checkpoint
+            model = cls(config, initialize=False)
         model.load_hf_state_dict(state)
         return model.to(device=device)
 

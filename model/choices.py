@@ -22,7 +22,7 @@ Every token is named by a sequence key and its position in that sequence: the pa
 forward uses the batch row, the cached forward the cache's sequence id. Indexer
 selections are stored as key *positions* of the same sequence (not slots), so they
 replay in a packed batch and in a paged cache alike. The tape is context-local (thread
-or asyncio task), like :func:`~glmport.model.modeling.record_attention`; MTP layers are
+or asyncio task), like :func:`~glmport.model.attention.record_attention`; MTP layers are
 not tracked. Only layers that run their own indexer are tracked: an IndexCache shared
 layer attends its full layer's selection, so it records and replays through it.
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +38,8 @@ from torch import nn
 
 from glmport.core.errors import ConfigError
 
-ROUTING = "routing"
-INDICES = "indices"
-KINDS = (ROUTING, INDICES)
+from .blocks import MoE
+from .tape_protocol import INDICES, KINDS, ROUTING, tape_opened
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,8 @@ class ChoiceTape:
 
     Built by :func:`choice_tape`; forward drivers name the rows of each forward with
     :meth:`rows`; a choosing module asks :meth:`replays` / :meth:`replayed` before its
-    choice and hands it to :meth:`record` after.
+    choice and hands it to :meth:`record` after (the calls of
+    :class:`~glmport.model.tape_protocol.TapeHooks`, all the model's modules see).
     """
 
     def __init__(
@@ -106,8 +105,6 @@ class ChoiceTape:
         replay: Mapping[int, Choices] | Sequence[Choices] | None,
         kinds: Sequence[str],
     ) -> None:
-        from .modeling import MoE  # modeling imports this module
-
         config = model.config
         layers = model.model.decoder_layers
         moe = [layer.mlp.gate for layer in layers if isinstance(layer.mlp, MoE)]
@@ -267,14 +264,6 @@ class ChoiceTape:
         return out
 
 
-_TAPE: ContextVar[ChoiceTape | None] = ContextVar("glmport_choice_tape", default=None)
-
-
-def active_tape() -> ChoiceTape | None:
-    """The tape open in this thread / asyncio task, if any."""
-    return _TAPE.get()
-
-
 @contextmanager
 def choice_tape(
     model: nn.Module,
@@ -295,8 +284,5 @@ def choice_tape(
         The :class:`ChoiceTape`; :meth:`ChoiceTape.recorded` gives what was used.
     """
     tape = ChoiceTape(model, replay, kinds)
-    token = _TAPE.set(tape)
-    try:
+    with tape_opened(tape):
         yield tape
-    finally:
-        _TAPE.reset(token)

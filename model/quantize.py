@@ -39,8 +39,10 @@ from glmport.core.errors import ConfigError
 from glmport.core.formats import FLOAT_WEIGHT, SCHEMES
 from glmport.core.prepared import PreparedWeight, prepare_weight
 
+from .attention import Attention, Indexer
+from .blocks import Experts, packed_weight
 from .causal_lm import GlmMoeDsaForCausalLM
-from .modeling import Attention, Experts, Indexer, SharedHead, packed_weight
+from .modeling import SharedHead
 
 # (owner type, attribute) of the nn.Linear layers kept float; reasons in the module doc.
 KEEP_FLOAT: frozenset[tuple[type, str]] = frozenset(

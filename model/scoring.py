@@ -15,7 +15,7 @@ from glmport.core.errors import ConfigError
 
 from .choices import KINDS, Choices, choice_tape
 from .generation import check_token_ids
-from .modeling import pack
+from .packing import pack
 from .sampling import check_sampling
 
 

@@ -38,8 +38,9 @@ from torch import nn
 import glmport.ops as ops
 from glmport.core.errors import ConfigError
 
+from .attention import Attention, AttentionRecord, record_attention
 from .causal_lm import IGNORE_INDEX, GlmMoeDsaForCausalLM, check_input_ids
-from .modeling import Attention, AttentionRecord, pack, record_attention
+from .packing import pack
 
 DENSE_WARMUP = "dense_warmup"
 SPARSE_ADAPTATION = "sparse_adaptation"

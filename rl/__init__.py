@@ -3,8 +3,11 @@
 - :mod:`~glmport.rl.losses`: GRPO advantages, the PPO clip with IcePop, GLM-5's
   normalisation, double-sided importance sampling, on-policy distillation, KL terms.
 - :mod:`~glmport.rl.tasks`: verifiable toy tasks (digit reversal, addition).
+- :mod:`~glmport.rl.config`: what defines a run (``RLConfig``, the policy's config).
 - :mod:`~glmport.rl.trainer`: the synchronous trainer (rollout and training on any
-  backends and dtypes, the mismatch measured every step, choice replay, checkpoints).
+  backends and dtypes, the mismatch measured every step, choice replay);
+  :mod:`~glmport.rl.checkpoint` (its checkpoints, written and checked),
+  :mod:`~glmport.rl.seeding` (each step's random draws).
 - :mod:`~glmport.rl.async_trainer`: asynchronous RL on Ray (rollout workers sampling
   continuously, AReaL's staleness bound, double-sided importance sampling, restarts);
   :mod:`~glmport.rl.workers` (the rollout worker), :mod:`~glmport.rl.staleness` (the

@@ -40,10 +40,17 @@ from glmport.core.errors import ConfigError, GlmportError, check_int
 from glmport.core.extras import require
 
 from .checkpoint import SavedState, exact_keys, field_error
-from .losses import double_sided_is_loss, group_advantages, policy_gradient_loss
+from .config import RLConfig, is_number
+from .losses import (
+    advantage_rows,
+    double_sided_is_loss,
+    group_advantages,
+    policy_gradient_loss,
+)
+from .seeding import seed_for, step_generator
 from .staleness import GroupLedger, StalenessManager
 from .tasks import Problem, shuffled_rewards
-from .trainer import RLConfig, Trainer, _generator, _is_number, _rows, _seed_for
+from .trainer import Trainer
 from .workers import DTYPES, Group, GroupSampling, GroupSpec, Interrupted
 
 log = logging.getLogger(__name__)
@@ -58,7 +65,7 @@ MAX_FAILURES = 8
 MAX_ATTEMPTS = (1 << 31) - 1
 MAX_WORKER_THREADS = 1024
 DEFAULT_WAIT_S = 300.0
-# Seed streams of a group (see trainer._seed_for), apart from the sync trainer's 0-3.
+# Seed streams of a group (see seeding.seed_for), apart from the sync trainer's 0-3.
 _PROBLEM_STREAM, _SAMPLE_STREAM = 5, 6
 
 
@@ -101,7 +108,7 @@ class AsyncTrainer(Trainer):
         ):
             if value is not None:
                 check_int(name, value, low, high)
-        if not (_is_number(wait_s) and 0 < wait_s < math.inf):
+        if not (is_number(wait_s) and 0 < wait_s < math.inf):
             raise ConfigError(f"wait_s must be a finite number of seconds > 0, got {wait_s!r}")
         super().__init__(config, out)
         self.ray_address = ray_address
@@ -214,9 +221,9 @@ class AsyncTrainer(Trainer):
         """Attempt ``attempt`` of group ``group``: its problem and sampling seed follow
         from the run's seed and those two numbers alone."""
         seed = self.config.seed
-        problem = self.task.sample(1, _generator(seed, group, _PROBLEM_STREAM))[0]
+        problem = self.task.sample(1, step_generator(seed, group, _PROBLEM_STREAM))[0]
         stream = _SAMPLE_STREAM + 100 * attempt
-        return GroupSpec(group, attempt, problem, _seed_for(seed, group, stream))
+        return GroupSpec(group, attempt, problem, seed_for(seed, group, stream))
 
     def _issue(self) -> GroupSpec:
         spec = self._spec(self.next_group, 0)
@@ -406,7 +413,7 @@ class AsyncTrainer(Trainer):
             "staleness_max": float(lags.max()),
         }
         if c.shuffle_rewards:
-            rewards = shuffled_rewards(rewards, _generator(c.seed, s, 2))
+            rewards = shuffled_rewards(rewards, step_generator(c.seed, s, 2))
         advantages = group_advantages(rewards, c.group_size, normalize_std=c.normalize_std)
         lengths = torch.tensor([len(r) for r in responses])
         mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
@@ -416,7 +423,7 @@ class AsyncTrainer(Trainer):
         ref_logp = self._reference_logprobs(prompts, responses)
 
         def loss_fn(logp: torch.Tensor, part: torch.Tensor, width: int):
-            adv, m = _rows(advantages, part, width), mask[part, :width]
+            adv, m = advantage_rows(advantages, part, width), mask[part, :width]
             if c.async_loss == "pg":
                 return policy_gradient_loss(logp, adv, m)
             return double_sided_is_loss(

@@ -1,11 +1,12 @@
 """Trainer checkpoints: what :meth:`Trainer.save <glmport.rl.trainer.Trainer.save>`
-writes and :meth:`Trainer.resume <glmport.rl.trainer.Trainer.resume>` reads, checked
-whole before anything in them is used.
+writes (:func:`write_checkpoint`) and :meth:`Trainer.resume
+<glmport.rl.trainer.Trainer.resume>` reads, checked whole before anything in them is
+used.
 
 A checkpoint folder holds:
 
 - ``state.json``: ``step``, ``policy_version``, ``rl_config`` (every
-  :class:`~glmport.rl.trainer.RLConfig` field), ``rng`` (the run's seed and next step:
+  :class:`~glmport.rl.config.RLConfig` field), ``rng`` (the run's seed and next step:
   step ``s`` draws only from generators seeded by ``(seed, s)``),
   ``optimizer_param_groups`` (Adam's hyper-parameters), ``optimizer_state_params``
   (the indices of the parameters Adam holds state for: parameters that never had a
@@ -30,17 +31,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 
 import glmport
 from glmport.core.errors import BackendUnavailableError, ConfigError, check_int
 from glmport.model import GlmMoeDsaForCausalLM
-from glmport.model.weights import contained_path, read_safetensors, recover_folder
+from glmport.model.weights import atomic_folder, contained_path, read_safetensors, recover_folder
 
-if TYPE_CHECKING:
-    from .trainer import RLConfig
+from .config import RLConfig
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -80,6 +80,42 @@ class SavedWeights:
 
     policy: dict[str, torch.Tensor]
     optimizer: dict
+
+
+def write_checkpoint(
+    folder: Path,
+    policy: GlmMoeDsaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: int,
+    version: int,
+    config: RLConfig,
+    extra: dict,
+) -> None:
+    """Write a checkpoint into ``folder``, atomically (an earlier one there stays whole
+    until the new one is complete: :func:`~glmport.model.weights.atomic_folder`): the
+    ``policy`` (float weights) as an HF checkpoint, Adam's tensors (float32) and
+    ``state.json`` with ``extra``, the trainer class's own keys."""
+    state = optimizer.state_dict()
+    tensors = {
+        f"state.{index}.{name}": torch.as_tensor(value).clone().contiguous()
+        for index, per_param in state["state"].items()
+        for name, value in per_param.items()
+    }
+    with atomic_folder(folder) as tmp:
+        policy.save_pretrained(tmp / POLICY)
+        save_file(tensors, str(tmp / OPTIMIZER))
+        saved = {
+            "step": step,
+            "policy_version": version,
+            "rl_config": config.to_json(),
+            # Step s draws only from generators seeded by (seed, s): this is the RNG state.
+            "rng": {"seed": config.seed, "next_step": step},
+            "optimizer_param_groups": state["param_groups"],
+            "optimizer_state_params": sorted(state["state"]),
+            **extra,
+        }
+        (tmp / STATE).write_text(json.dumps(saved, indent=2))
 
 
 def field_error(where: str, message: str) -> ConfigError:
@@ -153,8 +189,6 @@ def read_json(file: Path, max_bytes: int = MAX_STATE_BYTES) -> object:
 def read_state(folder: str | Path) -> SavedState:
     """Read and check the ``state.json`` of the checkpoint in ``folder`` (nothing else
     is read)."""
-    from .trainer import RLConfig  # here: trainer imports this module
-
     real = checkpoint_folder(folder)
     file = member(real, STATE)
     data = read_json(file)

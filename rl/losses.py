@@ -180,6 +180,13 @@ def group_advantages(
     return adv.reshape(-1)
 
 
+def advantage_rows(advantages: Tensor, part: Tensor, width: int) -> Tensor:
+    """The advantages of sample rows ``part`` (int64 ``[b]``): ``[b]`` from per-sample
+    ``advantages [B]``, or ``[b, width]`` from per-token ones ``[B, L]`` (``width <= L``),
+    in their dtype."""
+    return advantages[part] if advantages.dim() == 1 else advantages[part, :width]
+
+
 def masked_sample_mean(x: Tensor, mask: Tensor) -> Tensor:
     """GLM-5 normalisation: the mean over samples of each sample's per-token mean.
 

@@ -7,14 +7,17 @@ import math
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from glmport.core.errors import ConfigError
 from glmport.core.extras import install_command
 
-__all__ = ["MetricsLog", "plot_curves", "rewrite_jsonl"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["MetricsLog", "curves_figure", "plot_curves", "rewrite_jsonl"]
 
 
 def _plain(value: Any, key: str) -> Any:
@@ -130,30 +133,55 @@ def _present(records: list[dict[str, Any]], key: str) -> bool:
     return any(not math.isnan(v) for v in _series(records, key))
 
 
+def _from_zero(ax, values: list[float]) -> None:
+    """Start ``ax``'s linear y axis at 0 for a series that is never negative; an
+    all-zero one gets ``[0, 1]`` (matplotlib would centre it on 0, half the axis
+    below any value it can take)."""
+    drawn = [v for v in values if not math.isnan(v)]
+    if not drawn or min(drawn) < 0:
+        return
+    if max(drawn) == 0:
+        ax.set_ylim(0, 1)
+    else:
+        ax.set_ylim(bottom=0)
+
+
 def _twin_and_legend(
-    ax, xs: list[float], records: list[dict[str, Any]], key: str, color: str, label: str
+    ax,
+    xs: list[float],
+    records: list[dict[str, Any]],
+    key: str,
+    color: str,
+    label: str,
+    *,
+    fraction: bool = False,
 ) -> None:
-    """Draw ``key`` on a twin y axis of ``ax`` when present; one legend for both axes."""
+    """Draw ``key`` on a twin y axis of ``ax`` when present (from 0 when a
+    ``fraction``); one legend for both axes."""
     handles, labels = ax.get_legend_handles_labels()
     if _present(records, key):
         twin = ax.twinx()
-        twin.plot(xs, _series(records, key), color=color, label=key)
+        ys = _series(records, key)
+        twin.plot(xs, ys, color=color, label=key)
         twin.set_ylabel(label)
+        if fraction:
+            _from_zero(twin, ys)
         h, lab = twin.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
     if handles:
         ax.legend(handles, labels, loc="best")
 
 
-def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") -> Path:
-    """Write a PNG of the training curves and return its path.
+def curves_figure(records: list[dict[str, Any]], *, title: str = "") -> Figure:
+    """The matplotlib ``Figure`` of the training curves (Agg canvas, no pyplot).
 
     Two stacked panels sharing the x axis ``step`` (a record without ``step`` uses its
     index): (1) :data:`REWARD_KEYS` (sparse ones, like ``eval_reward``, as joined points)
     and ``reverse_kl`` (distillation) on a twin axis; (2) ``mismatch_mean`` and
     ``mismatch_max`` (|delta logp| between training and rollout log-probs; log-scale y
-    when every drawn value is positive) with ``pop_fraction`` on a twin axis. Missing
-    keys and null values are not drawn.
+    when every drawn value is positive, else from 0) with ``pop_fraction`` on a twin
+    axis from 0 (``[0, 1]`` while it is 0 throughout). Missing keys and null values are
+    not drawn. ``title``: the figure's suptitle (none if empty).
 
     Raises:
         ConfigError: matplotlib is not installed.
@@ -167,7 +195,6 @@ def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") ->
             + install_command(["matplotlib"])
         ) from err
 
-    out = Path(out)
     xs = [
         float(r["step"]) if isinstance(r.get("step"), (int, float)) else float(i)
         for i, r in enumerate(records)
@@ -195,12 +222,24 @@ def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") ->
             drawn += [y for y in ys if not math.isnan(y)]
     if drawn and all(y > 0 for y in drawn):
         ax_mis.set_yscale("log")
+    else:
+        _from_zero(ax_mis, drawn)
     ax_mis.set_ylabel("|delta logp|")
-    _twin_and_legend(ax_mis, xs, records, "pop_fraction", "tab:red", "pop_fraction")
+    _twin_and_legend(ax_mis, xs, records, "pop_fraction", "tab:red", "pop_fraction", fraction=True)
     ax_mis.set_xlabel("step")
     if title:
         fig.suptitle(title)
+    return fig
 
+
+def plot_curves(records: list[dict[str, Any]], out: Path, *, title: str = "") -> Path:
+    """Write a PNG of the training curves (:func:`curves_figure`) and return its path.
+
+    Raises:
+        ConfigError: matplotlib is not installed.
+    """
+    out = Path(out)
+    fig = curves_figure(records, title=title)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out

@@ -10,8 +10,10 @@ from glmport.model.weights import recover_folder
 
 from .async_trainer import LEDGER
 from .checkpoint import read_state
+from .config import RLConfig
 from .report import MetricsLog, plot_curves, rewrite_jsonl
-from .trainer import CHECKPOINT, RLConfig, Trainer
+from .tasks import Task
+from .trainer import CHECKPOINT, Trainer
 
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"
@@ -78,7 +80,7 @@ def train(
             )
         trainer = trainer_class(config.mode, options)(config, out, **(options or {}))
         MetricsLog(metrics_path).close()
-    title = f"{trainer.task.describe()}, seed {trainer.config.seed}"
+    title = curves_title(trainer.task, trainer.config.seed)
     with trainer, MetricsLog(metrics_path, append=True) as log:
         if progress:
             _run_with_progress(trainer, log)
@@ -88,6 +90,12 @@ def train(
     if records:
         plot_curves(records, out / CURVES, title=title)
     return records
+
+
+def curves_title(task: Task, seed: int) -> str:
+    """The title of a run's ``curves.png``: the task's one-line description (which
+    names the task once) and the run's seed."""
+    return f"{task.describe()}, seed {seed}"
 
 
 def trainer_class(mode: str, options: dict | None = None) -> type[Trainer]:

@@ -149,7 +149,7 @@ class ReverseTask(Task):
     def describe(self) -> str:
         """One line saying what the task is."""
         return (
-            f"reverse: reverse {self.digits} base-{self.base} digits "
+            f"reverse: {self.digits} base-{self.base} digits, answered back to front "
             f"(prompt {self.prompt_len} tokens, response {self.response_len}, "
             f"vocab {self.vocab_size})"
         )

@@ -16,11 +16,11 @@ from glmport.conformance.diff import _tape_agreement
 from glmport.core.errors import ConfigError
 from glmport.export.graph import StepGraph
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from glmport.model.attention import AttentionRecord, record_attention
 from glmport.model.cache import PagedKVCache, forward_cached
 from glmport.model.choices import INDICES, ROUTING, Choices, choice_tape
-from glmport.model.config import indexer_types_of
+from glmport.model.config_fields import indexer_types_of
 from glmport.model.generation import generate
-from glmport.model.modeling import AttentionRecord, record_attention
 from glmport.model.training import (
     SPARSE_ADAPTATION,
     attention_target,

@@ -145,3 +145,92 @@ def test_labels_give_the_shifted_next_token_loss():
     logp = torch.log_softmax(out.logits[:, :-1].double(), dim=-1)
     want = -logp.gather(2, ids[:, 1:, None]).mean()
     assert abs(out.loss.item() - want.item()) < 1e-5
+
+
+# -- construction ----------------------------------------------------------------------
+
+
+def test_the_constructor_initialises_every_weight_as_transformers_does():
+    """``GlmMoeDsaForCausalLM(config)`` as transformers users build it: every weight
+    finite, the routed experts and routers drawn like the rest (normal with std
+    ``initializer_range``, not nn.Linear's kaiming default nor ``torch.empty``'s
+    leftovers), norms at one, and a forward gives finite logits."""
+    cfg = GlmMoeDsaConfig.tiny(initializer_range=0.05)
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        assert bool(torch.isfinite(p).all()), name
+    # Every matrix (Linear, Embedding, router) and the fused experts; vectors are norms.
+    drawn = {n: p.detach() for n, p in model.named_parameters() if p.dim() >= 2}
+    experts = [n for n in drawn if ".mlp.experts." in n]
+    routers = [n for n in drawn if n.endswith(".mlp.gate.weight")]
+    assert len(experts) == 3 * 2 and len(routers) == 3  # MoE layers 1, 2 and the MTP layer
+    for name, p in drawn.items():
+        std, mean = float(p.std()), float(p.mean())
+        assert 0.8 * 0.05 < std < 1.25 * 0.05, (name, std)
+        assert abs(mean) < 0.25 * 0.05, (name, mean)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # RMSNorm / LayerNorm weights (no bias in this config)
+            assert torch.equal(p, torch.ones_like(p)) or name.endswith("k_norm.bias"), name
+    with torch.no_grad():
+        logits = model(_ids()).logits
+    assert logits.shape == (2, 9, 128) and bool(torch.isfinite(logits).all())
+    assert float(logits.std()) > 0
+
+
+def test_the_constructor_draws_from_the_global_seed():
+    cfg = GlmMoeDsaConfig.tiny()
+    torch.manual_seed(7)
+    a = GlmMoeDsaForCausalLM(cfg).state_dict()
+    torch.manual_seed(7)
+    b = GlmMoeDsaForCausalLM(cfg).state_dict()
+    torch.manual_seed(8)
+    c = GlmMoeDsaForCausalLM(cfg).state_dict()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    for key in ("lm_head.weight", "model.layers.1.mlp.experts.gate_up_proj"):
+        assert not torch.equal(a[key], c[key]), key
+    assert not torch.equal(a["model.layers.1.mlp.gate.weight"], c["model.layers.1.mlp.gate.weight"])
+
+
+def test_from_config_draws_from_its_own_seed():
+    """``from_config(seed=s)``: the same weights whatever the global RNG holds, its
+    first draw (the input embedding) the first normal draw of a generator seeded ``s``."""
+    cfg = GlmMoeDsaConfig.tiny()
+    torch.manual_seed(1)
+    a = GlmMoeDsaForCausalLM.from_config(cfg, seed=5)
+    torch.manual_seed(2)
+    b = GlmMoeDsaForCausalLM.from_config(cfg, seed=5)
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key]), key
+    embed = a.model.embed_tokens.weight
+    want = torch.randn(embed.shape, generator=torch.Generator().manual_seed(5)) * 0.02
+    assert torch.equal(embed, want)
+    other = GlmMoeDsaForCausalLM.from_config(cfg, seed=6)
+    assert not torch.equal(a.lm_head.weight, other.lm_head.weight)
+
+
+def test_meta_construction_draws_nothing():
+    """On the meta device even GLM-5's 744B parameters build at once: shapes only, no
+    draw from the global RNG."""
+    before = torch.get_rng_state()
+    with torch.device("meta"):
+        model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig.glm5())
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.num_parameters() > 7e11
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_from_pretrained_does_not_initialise(tmp_path, monkeypatch):
+    model = GlmMoeDsaForCausalLM.from_config("tiny", seed=3)
+    model.save_pretrained(tmp_path)
+
+    def refuse(self, seed=0):
+        raise AssertionError("from_pretrained drew an initialisation it then overwrote")
+
+    monkeypatch.setattr(GlmMoeDsaForCausalLM, "init_weights", refuse)
+    back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    with pytest.raises(AssertionError, match="drew an initialisation"):
+        GlmMoeDsaForCausalLM(model.config)  # the patch does catch an initialisation

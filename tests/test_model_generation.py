@@ -21,7 +21,7 @@ from glmport.model.cache import (
     mtp_forward_cached,
 )
 from glmport.model.generation import generate
-from glmport.model.modeling import pack
+from glmport.model.packing import pack
 
 TOL = 1e-4
 # Prompts longer than index_topk (4), of different lengths: the indexer's selection is real.

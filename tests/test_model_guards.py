@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import glmport
 from glmport.model import GlmMoeDsaForCausalLM
-from glmport.model.config import REQUIRED_FIELDS
+from glmport.model.config_fields import REQUIRED_FIELDS
 from glmport.model.generation import generate
 from glmport.model.training import training_losses
 from glmport.model.weights import SINGLE_FILE

@@ -9,7 +9,7 @@ import torch
 
 import glmport
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-from glmport.model.modeling import ABSORB_BEYOND, Attention
+from glmport.model.attention import ABSORB_BEYOND, Attention
 
 transformers = pytest.importorskip("transformers", minversion="5.18")
 

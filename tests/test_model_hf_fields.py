@@ -1,5 +1,5 @@
 """Every config field of transformers' GlmMoeDsaConfig / DeepseekV32Config: classified
-(model/config.py's FIELD_RULES), honoured (logits equal to transformers' on checkpoints
+(model/config_fields.py's FIELD_RULES), honoured (logits equal to transformers' on checkpoints
 written by transformers with the fields changed from their defaults, RoPE scaling
 included), or refused with a ConfigError naming it; the RoPE parameters round-trip."""
 
@@ -15,7 +15,7 @@ from test_model_hf import HF_TINY, VARIANT, _batch, _hf_model
 import glmport
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.cache import PagedKVCache, forward_cached
-from glmport.model.config import (
+from glmport.model.config_fields import (
     BOOKKEEPING,
     FIELD_RULES,
     HONOURED,

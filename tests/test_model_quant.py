@@ -14,8 +14,9 @@ import glmport
 from glmport.core.errors import ConfigError
 from glmport.core.formats import SCHEMES, fake_quant
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from glmport.model.blocks import Experts
 from glmport.model.generation import generate
-from glmport.model.modeling import Experts, pack
+from glmport.model.packing import pack
 from glmport.model.quantize import QuantLinear, enable_qat, quantize_model
 
 SEQ = 24

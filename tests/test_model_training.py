@@ -15,7 +15,8 @@ from hang_guard import guard_s
 import glmport
 from glmport.core.errors import ConfigError
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-from glmport.model.modeling import Attention, AttentionRecord, pack, record_attention
+from glmport.model.attention import Attention, AttentionRecord, record_attention
+from glmport.model.packing import pack
 from glmport.model.training import (
     STAGES,
     attention_target,

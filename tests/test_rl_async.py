@@ -17,9 +17,9 @@ from glmport.cli import main
 from glmport.core.errors import ConfigError, GlmportError
 from glmport.core.extras import install_command
 from glmport.model.generation import generate
+from glmport.rl.config import RLConfig, policy_config
 from glmport.rl.staleness import GroupLedger, LedgerError, StalenessManager, audit
 from glmport.rl.tasks import Problem, make_task
-from glmport.rl.trainer import RLConfig, policy_config
 from glmport.rl.workers import GroupSampling, GroupSpec, Interrupted, RolloutWorker
 
 

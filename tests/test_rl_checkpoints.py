@@ -39,12 +39,13 @@ from safetensors.torch import load_file, save_file
 from glmport.cli import main
 from glmport.core.errors import ConfigError
 from glmport.model import weights as weights_module
-from glmport.rl import trainer as trainer_module
+from glmport.rl import checkpoint as checkpoint_module
 from glmport.rl.async_trainer import LEDGER, AsyncTrainer
+from glmport.rl.config import RLConfig
 from glmport.rl.report import MetricsLog, rewrite_jsonl
 from glmport.rl.run import train
 from glmport.rl.staleness import GroupLedger
-from glmport.rl.trainer import RLConfig, Trainer
+from glmport.rl.trainer import Trainer
 
 COUNTS = Counts("rl checkpoints")
 _write_counts = COUNTS.writer()
@@ -597,7 +598,7 @@ def test_a_trainer_save_killed_at_any_point_keeps_the_run(runs, tmp_path, monkey
     with torch.no_grad():
         new.policy.lm_head.weight.add_(0.5)  # the new version: other weights
     with monkeypatch.context() as m:
-        full = die_at(m, 10**9, weights_module, trainer_module)
+        full = die_at(m, 10**9, weights_module, checkpoint_module)
         new.save()
     renamed_in = full.index("rename", f".{CKPT}.tmp-")
     assert len(full.seen) >= 15
@@ -605,7 +606,7 @@ def test_a_trainer_save_killed_at_any_point_keeps_the_run(runs, tmp_path, monkey
         run = tmp_path / f"kill{k}"
         shutil.copytree(runs["sync"], run)
         with monkeypatch.context() as m:
-            die_at(m, k, weights_module, trainer_module)
+            die_at(m, k, weights_module, checkpoint_module)
             with contextlib.suppress(Killed):
                 new.save(run / CKPT)
         with pytest.raises(ConfigError, match="already holds a run"):

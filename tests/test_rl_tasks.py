@@ -12,7 +12,8 @@ import torch
 
 from glmport.core.errors import ConfigError
 from glmport.core.extras import install_command
-from glmport.rl.report import MetricsLog, plot_curves
+from glmport.rl.report import MetricsLog, curves_figure, plot_curves
+from glmport.rl.run import curves_title
 from glmport.rl.tasks import (
     TASKS,
     AdditionTask,
@@ -161,6 +162,9 @@ def test_make_task():
     )
     assert isinstance(make_task("add"), AdditionTask)
     assert "reverse" in t.describe() and "\n" not in t.describe()
+    for name in TASKS:  # a run's curves title starts with it: the task named once
+        words = make_task(name).describe().replace(":", " ").split()
+        assert words[0] == name and words.count(name) == 1, make_task(name).describe()
 
 
 @pytest.mark.parametrize(
@@ -246,6 +250,33 @@ def test_plot_curves_writes_png(tmp_path):
     assert out2.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out3 = plot_curves([], tmp_path / "empty.png")
     assert out3.stat().st_size > 0
+
+
+def _axis(fig, label: str):
+    (ax,) = [ax for ax in fig.axes if ax.get_ylabel() == label]
+    return ax
+
+
+def test_curves_title_names_the_task_once_and_zero_series_start_at_zero():
+    pytest.importorskip("matplotlib")
+    title = curves_title(make_task("reverse"), 3)
+    assert title == (
+        "reverse: 3 base-10 digits, answered back to front (prompt 4 tokens, response 3, "
+        "vocab 12), seed 3"
+    )
+    # One backend and dtype for rollout and training: no mismatch, nothing popped.
+    flat = [{"step": s, "reward": 0.1, "mismatch_mean": 0.0, "pop_fraction": 0.0} for s in range(5)]
+    fig = curves_figure(flat, title=title)
+    assert fig.get_suptitle() == title
+    assert _axis(fig, "pop_fraction").get_ylim() == (0.0, 1.0)
+    mismatch = _axis(fig, "|delta logp|")
+    assert mismatch.get_yscale() == "linear" and mismatch.get_ylim() == (0.0, 1.0)
+    # A non-zero fraction keeps matplotlib's top, from 0; a positive mismatch is log-scale.
+    fig = curves_figure(_records())
+    assert fig.get_suptitle() == ""
+    low, high = _axis(fig, "pop_fraction").get_ylim()
+    assert low == 0.0 and 0.09 <= high < 0.2
+    assert _axis(fig, "|delta logp|").get_yscale() == "log"
 
 
 def test_plot_curves_without_matplotlib(tmp_path, monkeypatch):

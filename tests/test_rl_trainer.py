@@ -12,10 +12,11 @@ import torch
 from glmport.cli import main
 from glmport.core.errors import ConfigError, UnknownBackendError
 from glmport.model import GlmMoeDsaForCausalLM
+from glmport.rl.config import RLConfig, policy_config
 from glmport.rl.report import MetricsLog
 from glmport.rl.run import train
 from glmport.rl.tasks import make_task
-from glmport.rl.trainer import RLConfig, Trainer, policy_config
+from glmport.rl.trainer import Trainer
 
 TIMING = ("rollout_tokens_per_s", "train_tokens_per_s", "step_seconds")
 
