@@ -34,7 +34,7 @@ from .graph import (
     unwrapped_errors,
 )
 from .onnx_ops import DOMAIN, OPSET, attach_functions, translation_table
-from .ort_backend import from_ort, to_ort
+from .ort_runtime import from_ort, to_ort
 
 # Above this size the weights go to a side file (a protobuf holds at most 2 GiB).
 _EXTERNAL_DATA_BYTES = 1 << 30

@@ -22,11 +22,12 @@ import torch
 
 from glmport.core.errors import UnsupportedError
 from glmport.core.extras import missing
-from glmport.core.formats import FP8_DTYPE
 from glmport.core.registry import Availability, Backend, BackendManifest, Kernel
 from glmport.core.specs import OP_NAMES, SPECS
 
 from .empty_sources import result_without_source_rows
+from .onnx_ops import op_model, params
+from .ort_runtime import from_ort, to_ort
 
 
 class _Sessions:
@@ -54,8 +55,6 @@ def _signature(value: object) -> object:
 def _build(op: str, args: tuple):
     import onnxruntime as ort
 
-    from .onnx_ops import op_model
-
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
@@ -64,29 +63,6 @@ def _build(op: str, args: tuple):
     return ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-
-
-def to_ort(t: torch.Tensor):
-    """``t`` as a CPU ``OrtValue``: bfloat16 as its bits tagged bfloat16, float8 as uint8 bits."""
-    import onnxruntime as ort
-
-    from .onnx_ops import onnx_dtype
-
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        bits = t.view(torch.int16).numpy().view("uint16")
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx_dtype(t.dtype))
-    if t.dtype == FP8_DTYPE:
-        return ort.OrtValue.ortvalue_from_numpy(t.view(torch.uint8).numpy())
-    return ort.OrtValue.ortvalue_from_numpy(t.numpy())
-
-
-def from_ort(value, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An output ``OrtValue`` as a torch tensor; ``dtype`` float8: re-viewed from its bits."""
-    out = torch.from_dlpack(value).clone()
-    if dtype == FP8_DTYPE:
-        out = out.view(FP8_DTYPE)
-    return out
 
 
 def _kernel(op: str, sessions: _Sessions) -> Kernel:
@@ -118,14 +94,10 @@ def _kernel(op: str, sessions: _Sessions) -> Kernel:
 
 
 def _arg_names(op: str) -> list[str]:
-    from .onnx_ops import params
-
     return [p.name for p in params(op)]
 
 
 def _tensor_names(op: str) -> list[str]:
-    from .onnx_ops import params
-
     return [p.name for p in params(op) if p.is_tensor]
 
 

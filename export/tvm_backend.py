@@ -11,7 +11,6 @@ float8_e4m3fn wrongly. ``tvm`` is imported when the kernels load, never with glm
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,8 +22,7 @@ from glmport.core.registry import Availability, Backend, BackendManifest, Capabi
 from glmport.core.specs import OP_NAMES
 
 from .empty_sources import result_without_source_rows
-
-log = logging.getLogger("glmport")
+from .tvm_runtime import compile_relax, from_tvm, to_tvm
 
 _NOT_FP8 = (torch.float32, torch.bfloat16, torch.float16)
 _INT_SCHEMES = ("w8a8", "w4a8", "w4a16")
@@ -84,69 +82,6 @@ def _serialised(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 COMPILED = _Compiled()
-
-
-def compile_relax(mod: Any) -> Any:
-    """A Relax ``IRModule`` compiled for the CPU (llvm): the "zero" pipeline (legalise,
-    fold constants, fuse; no tuning), then ``tvm.compile``. Returns the VM executable.
-
-    TVM 0.27's operator fusion (FuseTIR) fails on some graphs whose shapes are sums of
-    symbolic sizes (the decode step's ``past + 1`` keys): those compile unfused, the
-    same computation in more kernels, with one log line saying so."""
-    import tvm
-    from tvm import relax
-    from tvm.relax import transform
-
-    try:
-        lowered = relax.get_pipeline("zero")(mod)
-    except tvm.error.InternalError as err:
-        log.info("glmport: TVM could not fuse this graph (%s); compiling it unfused", err)
-        unfused = tvm.transform.Sequential(
-            [transform.LegalizeOps(), transform.AnnotateTIROpPattern(), transform.FoldConstant()]
-        )
-        lowered = unfused(mod)
-    return tvm.compile(lowered, target="llvm")
-
-
-def from_tvm(value: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """A VM result (a tensor or a tuple of them) as torch tensors, through DLPack."""
-    import tvm
-
-    if isinstance(value, tvm.runtime.Tensor):
-        return torch.from_dlpack(value)
-    return tuple(torch.from_dlpack(v) for v in value)
-
-
-def to_tvm(t: torch.Tensor) -> Any:
-    """A CPU tensor as a TVM tensor through DLPack. TVM's import wants a 64-byte aligned
-    address (a view that starts elsewhere in a larger tensor is copied first), and its
-    calls want compact row-major strides (:func:`_compact`), which torch does not give
-    every tensor it calls contiguous: those are copied into compact storage too."""
-    import tvm
-
-    t = t.detach()
-    if t.data_ptr() % 64 or not _compact(t):
-        t = torch.empty_strided(t.shape, _row_major(t.shape), dtype=t.dtype).copy_(t)
-    return tvm.runtime.from_dlpack(t)
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    """Each dimension's stride as the product of the later sizes (0 after a 0-size
-    dimension, where torch says 1)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def _compact(t: torch.Tensor) -> bool:
-    """Whether TVM takes ``t``'s strides as compact: row-major in every dimension of a
-    size other than 1 (TVM ignores the stride of a size-1 dimension)."""
-    return all(
-        size == 1 or stride == want
-        for size, stride, want in zip(t.shape, t.stride(), _row_major(t.shape), strict=True)
-    )
 
 
 def _kernel(op: str) -> Kernel:

@@ -11,6 +11,7 @@ extra.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +27,15 @@ from glmport.core.formats import FP8_DTYPE
 from glmport.model.causal_lm import GlmMoeDsaForCausalLM
 
 from .graph import GraphKind, check_graph_inputs, traced_graph, unwrapped_errors
-from .tvm_backend import compile_relax, from_tvm, to_tvm
-from .tvm_ops import FP8_REASON, convert_map
+from .tvm_graph import FP8_REASON
+from .tvm_ops import convert_map
+from .tvm_runtime import compile_relax, from_tvm, save_library, to_tvm
 
 Source = Literal["torch", "onnx"]
 SOURCES: tuple[Source, ...] = ("torch", "onnx")
 _LIBRARY = "model.so"
 _META = "glmport_export.json"
+_LEAF_SPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def relax_module(
@@ -67,7 +70,11 @@ def relax_module(
             program = torch.export.export(graph, args, dynamic_shapes=dynamic)
             _refuse_fp8_inputs(program)
             converters = {**convert_map(), **_matmuls_in_input_dtype()}
-            mod = from_exported_program(program, custom_convert_map=converters)
+            with warnings.catch_warnings():
+                # torch's run_decompositions, which the importer calls, deep-copies a
+                # LeafSpec of its own call graph: torch's deprecation, nothing to act on.
+                warnings.filterwarnings("ignore", _LEAF_SPEC, FutureWarning)
+                mod = from_exported_program(program, custom_convert_map=converters)
         else:
             import onnxscript
             from tvm.relax.frontend.onnx import from_onnx
@@ -238,7 +245,7 @@ class TvmModel:
         fixed axes)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.executable.export_library(str(folder / _LIBRARY))
+        save_library(self.executable, folder / _LIBRARY)
         meta = {
             "graph": self.kind,
             "config": self.config,

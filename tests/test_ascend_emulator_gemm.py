@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from glmport.backends.ascend.emulator import gemm as eg
+from glmport.backends.ascend.emulator import grouped_gemm as egg
 from glmport.backends.ascend.emulator.contract import NpuContractError
 from glmport.core.formats import pack_int4
 
@@ -449,7 +450,7 @@ def test_weight_quant_bmm_documented_constraints_raise(call, match):
 
 
 def gmm(x, w, group_list, group_list_type=0, **kw):
-    return eg.npu_grouped_matmul(
+    return egg.npu_grouped_matmul(
         [x],
         [w],
         group_list=group_list,
@@ -482,7 +483,7 @@ def test_grouped_matmul_float_cumsum_and_counts_with_an_empty_group():
     assert torch.equal(y0, expected) and torch.equal(y1, expected)
     # the weight as a transposed view of a contiguous [E, N, K] tensor; split_item 3
     wt = w.transpose(1, 2).contiguous().transpose(1, 2)
-    (yt,) = eg.npu_grouped_matmul(
+    (yt,) = egg.npu_grouped_matmul(
         [x], [wt], group_list=cumsum, split_item=3, group_type=0, group_list_type=0
     )
     assert torch.equal(yt, expected)
@@ -554,13 +555,13 @@ def gw(e=2, k=8, n=4, dtype=BF16):
             "at most 1024",
         ),
         (
-            lambda: eg.npu_grouped_matmul(
+            lambda: egg.npu_grouped_matmul(
                 [gx()], [gw()], group_list=torch.tensor([1, 4]), split_item=0, group_type=0
             ),
             "split_item 2 or 3",
         ),
         (
-            lambda: eg.npu_grouped_matmul(
+            lambda: egg.npu_grouped_matmul(
                 [gx()], [gw()], group_list=torch.tensor([1, 4]), split_item=2, group_type=1
             ),
             "group_type",
@@ -648,7 +649,7 @@ def gw(e=2, k=8, n=4, dtype=BF16):
             "bias must be torch.float32",
         ),
         (
-            lambda: eg.npu_grouped_matmul(
+            lambda: egg.npu_grouped_matmul(
                 [], [gw()], group_list=torch.tensor([1, 4]), split_item=2, group_type=0
             ),
             "lists of 1 to 128",

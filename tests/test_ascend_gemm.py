@@ -14,6 +14,7 @@ import torch
 
 from glmport.backends.ascend import gemm as ag
 from glmport.backends.ascend.emulator import gemm as eg
+from glmport.backends.ascend.emulator import grouped_gemm as egg
 from glmport.backends.cpu import float64_reference
 from glmport.backends.generic.moe import grouped_gemm as generic_grouped_gemm
 from glmport.backends.generic.quant import quant_gemm as generic_quant_gemm
@@ -25,7 +26,9 @@ from glmport.core.specs.quant import PreparedWeight
 BF16, FP16 = torch.bfloat16, torch.float16
 HALF = (BF16, FP16)
 
-NPU = SimpleNamespace(**{name: getattr(eg, name) for name in eg.__all__})
+NPU = SimpleNamespace(
+    **{name: getattr(module, name) for module in (eg, egg) for name in module.__all__}
+)
 
 
 def ref(op: str):

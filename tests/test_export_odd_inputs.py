@@ -44,9 +44,9 @@ from hypothesis import strategies as st
 import glmport
 from glmport.export.graph import GraphInputError, PrefillGraph, empty_caches
 from glmport.export.onnx_model import OnnxRuntimeModel, export_onnx
-from glmport.export.ort_backend import to_ort
-from glmport.export.tvm_backend import to_tvm
+from glmport.export.ort_runtime import to_ort
 from glmport.export.tvm_model import TvmModel
+from glmport.export.tvm_runtime import to_tvm
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 TOLERANCE = 1e-4

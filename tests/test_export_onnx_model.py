@@ -6,6 +6,9 @@ export; ``glmport export onnx`` on the tiny model."""
 from __future__ import annotations
 
 import importlib.util
+import re
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +47,23 @@ def model() -> GlmMoeDsaForCausalLM:
 @pytest.fixture(scope="module")
 def onnx_prefill(model):
     return export_onnx(model, "prefill")
+
+
+def test_the_documented_sample_output_has_the_exports_node_counts(onnx_prefill):
+    """docs/export.md's sample run of ``glmport export onnx --model tiny`` names this
+    export's nodes: per glmport op and the standard ones (the figures drift as the graph
+    changes)."""
+    doc = (Path(__file__).parents[1] / "docs" / "export.md").read_text()
+    sample = re.search(
+        r"wrote tiny\.onnx: prefill graph, (\d+) ai\.glmport nodes \(([^)]*)\) and (\d+) "
+        r"standard nodes",
+        doc,
+    )
+    assert sample, "docs/export.md lost its sample 'wrote tiny.onnx: ...' line"
+    ours = Counter(n.op_type for n in onnx_prefill.graph.node if n.domain == DOMAIN)
+    listed = ", ".join(f"{op} x{n}" for op, n in sorted(ours.items()))
+    standard = len(onnx_prefill.graph.node) - ours.total()
+    assert (int(sample[1]), sample[2], int(sample[3])) == (ours.total(), listed, standard)
 
 
 def _eager_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ from glmport.conformance.model_case import run_model_check
 from glmport.core.errors import ConfigError, UnsupportedError
 from glmport.export.check import compare, sample_ids
 from glmport.export.graph import GraphInputError
-from glmport.export.tvm_backend import to_tvm
 from glmport.export.tvm_model import TvmModel
+from glmport.export.tvm_runtime import to_tvm
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.quantize import quantize_model
 

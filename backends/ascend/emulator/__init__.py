@@ -15,10 +15,10 @@ from .attention import npu_sparse_flash_attention
 from .contract import NpuContractError
 from .gemm import (
     npu_convert_weight_to_int4pack,
-    npu_grouped_matmul,
     npu_quant_matmul,
     npu_weight_quant_batchmatmul,
 )
+from .grouped_gemm import npu_grouped_matmul
 from .indexer import npu_lightning_indexer
 from .moe import npu_moe_finalize_routing, npu_moe_gating_top_k, npu_moe_init_routing_v2
 from .norm_rope import npu_rms_norm, npu_rotary_mul
