@@ -41,8 +41,8 @@ from common import RESULTS, environment, interleaved_samples, save, spread, tabl
 
 import glmport
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from glmport.model.attention import Indexer
 from glmport.model.cache import PagedKVCache, forward_cached
-from glmport.model.modeling import Indexer
 
 LAYERS = 8
 PATTERN = {"index_topk_freq": 4, "index_skip_topk_offset": 1}  # F S S S F S S S

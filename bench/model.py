@@ -43,9 +43,9 @@ from common import RESULTS, environment, flush_caches, save, spread, table
 import glmport
 from glmport.core.formats import SCHEMES
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from glmport.model.attention import Attention
 from glmport.model.cache import PagedKVCache, forward_cached
 from glmport.model.generation import generate
-from glmport.model.modeling import Attention
 from glmport.model.quantize import quantize_model
 
 DSA_TOPK = 256

@@ -18,10 +18,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
-from .attention import Indexer as Indexer  # bench/indexcache.py imports it from here
 from .blocks import MLP, MoE, RMSNorm
-from .blocks import Experts as Experts  # tests/test_diff.py imports these two from here
-from .blocks import Router as Router
 from .config import GlmMoeDsaConfig
 from .packing import Packed
 from .rope import rope_frequencies, rope_tables

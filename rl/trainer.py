@@ -35,12 +35,6 @@ from glmport.model.generation import generate
 from glmport.model.scoring import continuation_logprobs
 
 from .checkpoint import SavedState, read_state, read_weights, write_checkpoint
-
-# ASYNC_FIELDS and the DEFAULT_* values: glmport/commands/rl_train.py imports them from here.
-from .config import ASYNC_FIELDS as ASYNC_FIELDS
-from .config import DEFAULT_KL_COEF as DEFAULT_KL_COEF
-from .config import DEFAULT_LR as DEFAULT_LR
-from .config import DEFAULT_LR_DISTILL as DEFAULT_LR_DISTILL
 from .config import RLConfig, policy_config
 from .losses import (
     advantage_rows,

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import glmport.cli as cli
+from glmport.commands import common, rl_train
 from glmport.model import GlmMoeDsaForCausalLM
 
 COUNTS = Counts("cli")
@@ -108,13 +109,13 @@ def _bad_values(command: str, action: argparse.Action) -> list[str]:
         return [str(low - 1), str(high + 1), str(10**40), "1_000", "١٢", *_INT_MALFORMED]
     if hasattr(kind, "low"):  # the bounded reals (at least low)
         return [str(kind.low - 1), "nan", "inf", "-inf", "1e999", "", "abc"]
-    if kind is cli._workers:
-        return ["autox", "AUTO", str(cli.MAX_WORKERS + 1), "-1", *_INT_MALFORMED]
+    if kind is common.workers:
+        return ["autox", "AUTO", str(common.MAX_WORKERS + 1), "-1", *_INT_MALFORMED]
     if kind is int:  # bounded elsewhere (another area's checks): the malformed ones here
         return _INT_MALFORMED
     if kind is float:
         return ["", "abc", "1,5"]
-    if kind is cli._overrides:
+    if kind is rl_train._overrides:
         return ["x", "=1", "a=1,b"]
     if f"{flag}@{command}" in NOT_FUZZED or flag in NOT_FUZZED:
         return []
@@ -164,8 +165,10 @@ def fuzz_env(monkeypatch, tmp_path):
     bad values name; yields the folder."""
     stub_heavy_steps(monkeypatch)
     tiny = GlmMoeDsaForCausalLM.from_config("tiny", seed=0).eval()
-    real = cli._load_model
-    monkeypatch.setattr(cli, "_load_model", lambda s, d="fp32": tiny if s == "tiny" else real(s, d))
+    real = common.load_model
+    monkeypatch.setattr(
+        common, "load_model", lambda s, d="fp32": tiny if s == "tiny" else real(s, d)
+    )
     (tmp_path / "a-file").write_text("not a checkpoint")
     (tmp_path / "a-folder").mkdir()
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")

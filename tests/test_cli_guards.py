@@ -17,8 +17,9 @@ import pytest
 from hang_guard import guard_s
 
 import glmport
-import glmport.cli as cli
-from glmport.cli import MAX_TOKENS, MAX_WORKERS, build_parser, main
+from glmport.cli import build_parser, main
+from glmport.commands import common
+from glmport.commands.common import MAX_TOKENS, MAX_WORKERS
 from glmport.core import extras
 from glmport.core.errors import ConfigError
 from glmport.model.indexcache import MAX_CALIBRATION_TOKENS, random_calibration, read_calibration
@@ -42,7 +43,7 @@ def no_work(monkeypatch):
 
     import glmport.rl.run
 
-    monkeypatch.setattr(cli, "_load_model", started)
+    monkeypatch.setattr(common, "load_model", started)
     monkeypatch.setattr(pytest_module, "main", started)
     monkeypatch.setattr(glmport.rl.run, "train", started)
 
@@ -225,8 +226,8 @@ def test_a_run_or_copy_is_never_written_over(no_work, capsys, tmp_path):
 
 def test_a_writable_out_passes_and_nothing_is_made(tmp_path):
     deep = tmp_path / "a" / "b" / "c"
-    assert cli._check_out(str(deep), "--out") == deep
-    assert cli._check_out(str(tmp_path / "x.onnx"), "--out", folder=False)
+    assert common.check_out(str(deep), "--out") == deep
+    assert common.check_out(str(tmp_path / "x.onnx"), "--out", folder=False)
     assert not list(tmp_path.iterdir())  # the probe file is gone, nothing made
 
 

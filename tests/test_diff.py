@@ -20,17 +20,12 @@ import torch
 
 import glmport
 from glmport.cli import main
-from glmport.conformance.diff import (
-    REPLAY_FORMAT,
-    diff_backends,
-    fingerprint,
-    format_report,
-    replay_call,
-    row_overlap,
-)
+from glmport.conformance.diff import diff_backends, format_report, row_overlap
+from glmport.conformance.replay import REPLAY_FORMAT, fingerprint, replay_call
 from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest
 from glmport.model import GlmMoeDsaForCausalLM
-from glmport.model.modeling import Attention, Experts, Indexer, MoE, RMSNorm, Router
+from glmport.model.attention import Attention, Indexer
+from glmport.model.blocks import Experts, MoE, RMSNorm, Router
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

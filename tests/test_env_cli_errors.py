@@ -229,23 +229,23 @@ def test_device_is_checked_to_exist_where_tensors_go(monkeypatch):
 def test_an_internal_bug_keeps_its_traceback(monkeypatch):
     """Only glmport's own errors and OSErrors on a named path are bad input; anything
     else is a bug and must propagate so it can be reported."""
-    import glmport.cli as cli
+    import glmport.commands.info as info
 
     def bug(*_):
         raise RuntimeError("internal")
 
-    monkeypatch.setattr(cli, "_collect_info", bug)
+    monkeypatch.setattr(info, "_collect_info", bug)
     with pytest.raises(RuntimeError, match="internal"):
         main(["info"])
 
 
 def test_an_unreadable_path_is_one_line(monkeypatch, capsys):
-    import glmport.cli as cli
+    import glmport.commands.info as info
 
     def unreadable(*_):
         raise PermissionError(13, "Permission denied", "/some/file")
 
-    monkeypatch.setattr(cli, "_collect_info", unreadable)
+    monkeypatch.setattr(info, "_collect_info", unreadable)
     assert main(["info"]) == 2
     assert "/some/file" in _one_error_line(capsys.readouterr().err)
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glmport.cli
+import glmport.commands.common
 from glmport.model import GlmMoeDsaConfig
 
 MAX_POSITIONS = GlmMoeDsaConfig.tiny().max_position_embeddings
@@ -80,7 +81,7 @@ def test_fixed_sizes_are_whole_numbers_in_their_range(axis, text):
     argv = ["export", "tvm", "--model", "tiny", "--out", "t", "--from", "onnx", f"--{axis}={text}"]
     # ASCII integers (a sign allowed) from 1 to a bound: 1024 sequences, 2**24 tokens
     # (the model's own context is checked once it is loaded).
-    high = 1024 if axis == "batch" else glmport.cli.MAX_TOKENS
+    high = 1024 if axis == "batch" else glmport.commands.common.MAX_TOKENS
     ok = bool(re.fullmatch(r"[+-]?[0-9]{1,40}", text)) and 1 <= int(text) <= high
     status, err = _parse(argv)
     if ok:

@@ -36,10 +36,10 @@ import glmport
 from glmport.backends.ascend import BACKEND
 from glmport.backends.ascend import gemm as ascend_gemm
 from glmport.backends.ascend.emulator import NpuContractError
-from glmport.conformance.cases import Case
+from glmport.conformance.calls import reference
+from glmport.conformance.cases.base import Case
 from glmport.conformance.judges import JUDGE_OF_OP, JUDGES, Verdict
 from glmport.conformance.layouts import relayout
-from glmport.conformance.runner import _reference
 from glmport.core.errors import GlmportError, OpInputError
 from glmport.core.formats import FLOAT_WEIGHT, SCHEMES, quantize_tensor
 from glmport.core.specs import OP_NAMES, SPECS
@@ -394,7 +394,7 @@ def _judge(op: str, dtype: torch.dtype, args: tuple, outs) -> Verdict:
     case = Case(
         op, "fuzz", "fuzz", dtype, build=lambda g: dense, judge=JUDGE_OF_OP.get(op, "close")
     )
-    refs = _reference(case, dense)
+    refs = reference(case, dense)
     out_t = outs if isinstance(outs, tuple) else (outs,)
     ref_t = refs if isinstance(refs, tuple) else (refs,)
     if op != "lightning_indexer" and all(r.numel() == 0 for r in ref_t):
