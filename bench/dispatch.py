@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its
 from common import interleaved_samples, markdown_table, table, timed, write
 
 import glmport
-from glmport.conformance.cases import Case, all_cases
+from glmport.conformance.cases import all_cases
+from glmport.conformance.cases.base import Case
 from glmport.core.registry import Backend, BackendManifest
 from glmport.core.selection import clear_cache, current_settings, resolve
 from glmport.core.specs import OP_NAMES

@@ -10,7 +10,7 @@ top-k and the experts). Then:
   from :mod:`glmport.core.tolerance`). The first call that fails is the *first
   divergence*: B's kernel disagrees with A's on identical inputs, so it is that op,
   not error carried in from upstream. Its inputs go to a replay file that
-  :func:`replay_call` (``glmport diff --replay FILE``) judges on each backend against
+  :func:`.replay.replay_call` (``glmport diff --replay FILE``) judges on each backend against
   the float64 reference, as the conformance suite does;
 - **own run**: the outputs of B's own forward against A's, call by call (matched by
   module, op and occurrence), and each decoder layer's output: how a difference
@@ -28,7 +28,6 @@ on A's inputs.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from collections import Counter
@@ -41,32 +40,29 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-import glmport
-from glmport.core.errors import ConfigError
-from glmport.core.registry import REGISTRY
 from glmport.core.selection import use_backend
-from glmport.core.specs import SPECS
 from glmport.core.tolerance import Tolerance, compare, tolerance
 from glmport.core.trace import OpCall, trace_ops
 
-from .cases import Case
-from .judges import JUDGE_OF_OP, JUDGES, Verdict
 from .model_case import pair_metrics
-from .report import worst_ratio
-from .runner import Check, Record, device_for, run_check
+from .replay import (
+    backend_device,
+    call_dtype,
+    describe_inputs,
+    fingerprint,
+    judge_against_reference,
+    judge_on_inputs,
+    record_summary,
+    write_replay,
+)
+from .scorecard import worst_ratio
 
 if TYPE_CHECKING:
     from glmport.model.config import GlmMoeDsaConfig
 
-REPLAY_FORMAT = "glmport-op-call"
-REPLAY_VERSION = 1
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 # Own-run errors are measured, not judged: inputs already differ there.
 MEASURE_ONLY = Tolerance(math.inf, math.inf)
-
-
-def _tuple(x: object) -> tuple:
-    return x if isinstance(x, tuple) else (x,)
 
 
 # -- one backend's forward -------------------------------------------------------------
@@ -119,10 +115,6 @@ def _layer_of(scope: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _device(backend: str, emulate: bool) -> torch.device:
-    return device_for(REGISTRY.get(backend).device_type(emulate))
-
-
 def _next_token_positions(mask: torch.Tensor) -> torch.Tensor:
     """``[B, S-1]`` bool: position ``t`` predicts a real token ``t + 1``."""
     valid = mask.bool()
@@ -143,7 +135,7 @@ def run_forward(
     ``replay``'s, a :meth:`ChoiceTape.recorded` result, when given)."""
     from glmport.model.choices import choice_tape
 
-    device = _device(backend, emulate)
+    device = backend_device(backend, emulate)
     model.to(device)
     layer_outputs: dict[int, torch.Tensor] = {}
     with (
@@ -193,10 +185,6 @@ def row_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 _CHOICE_OUTPUT = {"lightning_indexer": (0, "top-k overlap"), "moe_gate": (1, "experts")}
 
 
-def _dtype_of(call: OpCall) -> torch.dtype:
-    return SPECS[call.op].features(*call.args)["dtype"]
-
-
 def _output_error(a: tuple, b: tuple, skip: tuple[int, ...]) -> tuple[float, float]:
     """Worst ``max|err|/max|ref|`` and ``mean`` over the floating outputs of one call
     (``skip``: outputs compared as choices); inf for a shape or ``inf`` pattern change."""
@@ -233,75 +221,6 @@ class CallDiff:
     own_choice_agreement: float | None = None
     fingerprint: str = ""
     inputs: str = ""
-
-
-def fingerprint(op: str, args: tuple) -> str:
-    """A 16-hex-digit SHA-256 of an op call's inputs: names, dtypes, shapes, bytes."""
-    h = hashlib.sha256(op.encode())
-    for name, a in zip(SPECS[op].arg_names, args, strict=False):
-        h.update(name.encode())
-        if isinstance(a, torch.Tensor):
-            t = a.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{list(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(a).encode())
-    return h.hexdigest()[:16]
-
-
-def describe_inputs(op: str, args: tuple) -> str:
-    """``"q float32[12, 4, 32], ..., topk=4"``."""
-    parts = []
-    for name, a in zip(SPECS[op].arg_names, args, strict=False):
-        if isinstance(a, torch.Tensor):
-            parts.append(f"{name} {str(a.dtype).removeprefix('torch.')}{list(a.shape)}")
-        else:
-            parts.append(f"{name}={a!r}")
-    return ", ".join(parts)
-
-
-def _references(call: OpCall, backend: str, emulate: bool) -> tuple:
-    """What the op's judge compares against: A's outputs, or for the indexer A's full
-    ``[T, N]`` score matrix on the same inputs (its judge is tie-safe on scores)."""
-    if JUDGE_OF_OP.get(call.op) != "indexer":
-        return call.outputs
-    q, k, w, ks, ke, _, qs, kss = call.args
-    device = _device(backend, emulate)
-    with use_backend(backend, emulate=emulate), torch.no_grad():
-        scores = glmport.ops.indexer_logits(*(_on(x, device) for x in (q, k, w, ks, ke, qs, kss)))
-    return scores.double().cpu()
-
-
-def _on(x: object, device: torch.device) -> object:
-    return x.to(device) if isinstance(x, torch.Tensor) else x
-
-
-def judge_on_inputs(
-    call: OpCall, backend: str, emulate: bool, reference: str, reference_emulate: bool
-) -> tuple[Verdict, str, tuple]:
-    """Run ``call`` again on ``backend`` with the recorded inputs and judge its outputs
-    against the recorded ones (``reference``'s, the backend that made ``call``).
-    Returns the verdict, the backend whose kernel ran and the outputs (``()`` when it
-    raised: the verdict then fails with the error)."""
-    device = _device(backend, emulate)
-    try:
-        with use_backend(backend, emulate=emulate), torch.no_grad(), trace_ops() as trace:
-            outs = _tuple(getattr(glmport.ops, call.op)(*(_on(a, device) for a in call.args)))
-        outs = tuple(o.detach().cpu() for o in outs)
-        refs = _references(call, reference, reference_emulate)
-        judge = JUDGES[JUDGE_OF_OP.get(call.op, "close")]
-        verdict = judge(call.op, _dtype_of(call), call.args, outs, refs)
-        if verdict.ok and refs is not call.outputs:
-            # Judged against the reference's scores, not its choice: its own choice must
-            # pass the same judge, or a bug in its top-k (not in its scores) goes unseen.
-            own = judge(call.op, _dtype_of(call), call.args, call.outputs, refs)
-            if not own.ok:
-                verdict = Verdict(
-                    False, f"{reference}'s own choice: {own.reason}", own.metrics, own.tolerance
-                )
-        return verdict, trace.calls[-1].backend, outs
-    except Exception as err:  # a backend's crash is a divergence, not a crash of the tool
-        return Verdict(False, f"raised {type(err).__name__}: {err}"), backend, ()
 
 
 # -- the whole comparison ----------------------------------------------------------------
@@ -426,7 +345,7 @@ def _diff_call(
         op=call.op,
         scope=call.scope,
         layer=_layer_of(call.scope),
-        dtype=str(_dtype_of(call)).removeprefix("torch."),
+        dtype=str(call_dtype(call)).removeprefix("torch."),
         ran_on=ran_on,
         ok=verdict.ok,
         reason=verdict.reason,
@@ -512,129 +431,17 @@ def diff_backends(
         ]
         if replay_dir is not None:
             path = Path(replay_dir) / f"call-{call.op}-{first.fingerprint}.pt"
-            report.replay_file = str(write_replay(call, path, backends, emulate, first))
+            written = write_replay(
+                call,
+                path,
+                backends,
+                emulate,
+                layer=first.layer,
+                index=first.index,
+                reason=first.reason,
+            )
+            report.replay_file = str(written)
     return report
-
-
-# -- one call, on its own ----------------------------------------------------------------
-
-
-def _case(call: OpCall) -> Case:
-    """A conformance case whose inputs are ``call``'s (copied at every build)."""
-    args = call.args
-    return Case(
-        call.op,
-        f"call-{fingerprint(call.op, args)}",
-        "diff",
-        _dtype_of(call),
-        build=lambda _gen: tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
-        params=tuple(
-            (n, list(a.shape))
-            for n, a in zip(SPECS[call.op].arg_names, args, strict=False)
-            if isinstance(a, torch.Tensor)
-        ),
-        judge=JUDGE_OF_OP.get(call.op, "close"),
-    )
-
-
-def judge_against_reference(
-    call: OpCall, backends: tuple[str, ...], emulate: tuple[bool, ...]
-) -> list[Record]:
-    """Each backend's value check of ``call``'s inputs against the float64 reference:
-    the conformance suite's judgment of that one call (which of the two is off)."""
-    case = _case(call)
-    return [
-        run_check(Check("value", case), name, emulate=em)
-        for name, em in zip(backends, emulate, strict=True)
-    ]
-
-
-def record_summary(backend: str, rec: Record) -> dict:
-    """The part of a value check's record a diff reports."""
-    return {
-        "backend": backend,
-        "ran_on": rec.ran_on,
-        "outcome": rec.outcome,
-        "reason": rec.reason,
-        "worst": worst_ratio(rec.metrics, rec.tolerance),
-    }
-
-
-def write_replay(
-    call: OpCall,
-    path: str | Path,
-    backends: tuple[str, str],
-    emulate: tuple[bool, bool],
-    diff: CallDiff,
-) -> Path:
-    """Save ``call``'s inputs (``torch.save``; loads with ``weights_only=True``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {
-            "format": REPLAY_FORMAT,
-            "version": REPLAY_VERSION,
-            "op": call.op,
-            "args": list(call.args),
-            "backends": list(backends),
-            "emulate": list(emulate),
-            "scope": call.scope,
-            "layer": diff.layer,
-            "index": diff.index,
-            "fingerprint": diff.fingerprint,
-            "reason": diff.reason,
-        },
-        path,
-    )
-    return path
-
-
-def read_replay(path: str | Path) -> dict:
-    """A replay file written by :func:`write_replay`, checked."""
-    try:
-        data = torch.load(path, weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception:  # torch.load's errors on a foreign file say nothing to a user
-        raise ConfigError(
-            f"{path} is not a glmport op-call replay file (torch.load cannot read it)"
-        ) from None
-    if not isinstance(data, dict) or data.get("format") != REPLAY_FORMAT:
-        raise ConfigError(f"{path} is not a glmport op-call replay file")
-    if data.get("version") != REPLAY_VERSION:
-        raise ConfigError(
-            f"{path} is a replay file of version {data.get('version')}; this glmport reads "
-            f"version {REPLAY_VERSION}"
-        )
-    if data.get("op") not in SPECS:
-        raise ConfigError(f"{path} names an unknown op {data.get('op')!r}")
-    SPECS[data["op"]].validate(tuple(data["args"]), values=True)
-    return data
-
-
-def replay_call(
-    path: str | Path,
-    backends: tuple[str, ...] | None = None,
-    emulate: tuple[bool, ...] | None = None,
-) -> tuple[dict, list[Record], Verdict | None]:
-    """Judge the call saved in ``path`` on each of ``backends`` (default: the two the
-    diff compared) against the float64 reference, and the second against the first on
-    the same inputs. Returns the file's contents, the records and that verdict."""
-    data = read_replay(path)
-    names = tuple(backends or data["backends"])
-    flags = tuple(emulate or (data["emulate"] if backends is None else [False] * len(names)))
-    for name in names:  # the file's own backends may be plug-ins this process lacks
-        REGISTRY.get(name, "--backends" if backends else f"the replay file {path}")
-    call = OpCall(data["op"], names[0], data["scope"], tuple(data["args"]), ())
-    records = judge_against_reference(call, names, flags)
-    pair = None
-    if len(names) >= 2:
-        with use_backend(names[0], emulate=flags[0]), torch.no_grad():
-            device = _device(names[0], flags[0])
-            outs = _tuple(getattr(glmport.ops, call.op)(*(_on(a, device) for a in call.args)))
-        call = OpCall(call.op, names[0], call.scope, call.args, tuple(o.cpu() for o in outs))
-        pair = judge_on_inputs(call, names[1], flags[1], names[0], flags[0])[0]
-    return data, records, pair
 
 
 # -- text ---------------------------------------------------------------------------------

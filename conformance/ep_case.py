@@ -32,7 +32,7 @@ from glmport.core.expert_parallel import COMPONENT
 from glmport.core.registry import REGISTRY, Backend, chain_for
 from glmport.core.selection import current_settings
 
-from .cases import Case
+from .cases.base import Case
 from .judges import Verdict, close
 
 WORLD = 2

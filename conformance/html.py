@@ -2,23 +2,27 @@
 a data URI, no external link) of whatever a report folder holds: the scorecard across
 backends (``scorecard.json``: one block per op family, rows op x dtype, a column per
 backend, sticky headers), the suite's report (``conformance.json``: the verdict and
-the mustpass version it meets, the environment, an op x dtype table coloured by
-outcome, own kernels and fallbacks apart, the checks not passed, its scorecard) and
-the mismatch matrix (``matrix.json`` and ``matrix.png``)."""
+the mustpass version it meets, the environment, one block per op family with a row
+per op x dtype[/scheme] x backend it ran on, coloured by outcome, own kernels and
+fallbacks apart, the checks not passed, its scorecard) and the mismatch matrix
+(``matrix.json`` and ``matrix.png``). :func:`write_reports` writes a run's report
+files, this page among them."""
 
 from __future__ import annotations
 
 import base64
 import html
+import json
 from pathlib import Path
 
 from glmport.core.errors import ConfigError
 
-from .matrix import NO_PAIR, _cell_text, _sci, backend_errors, grid
+from .formatting import pair_text, sci, shapes_text, stack_text, worst_text
+from .matrix import NO_PAIR, backend_errors, grid
 from .matrix import SCHEMA_VERSION as MATRIX_SCHEMA
-from .mustpass import STATUSES
-from .report import _NOT_STACK, _shapes, _worst_text, mustpass_line, verdict_line, worst_ratio
+from .mustpass import OP_FAMILIES, STATUSES
 from .report import SCHEMA_VERSION as REPORT_SCHEMA
+from .report import markdown, mustpass_line, verdict_line
 from .runner import OUTCOMES
 from .scorecard import SCHEMA_VERSION as SCORECARD_SCHEMA
 from .scorecard import (
@@ -29,6 +33,7 @@ from .scorecard import (
     family_blocks,
     met_text,
     read_json,
+    worst_ratio,
 )
 
 # Most telling first: a cell shows the worst outcome among its checks.
@@ -58,6 +63,9 @@ img { max-width: 100%; }
 /* One block per op family; the header row stays on screen while its block scrolls. */
 table.card thead th { position: sticky; top: 0; z-index: 1; }
 table.card td { min-width: 9em; }
+/* The suite's blocks line up: the same width whatever the op names. */
+table.verdicts { min-width: 60em; }
+table.verdicts td { min-width: 0; }
 """
 
 
@@ -74,33 +82,45 @@ def _outcome(row: dict) -> str:
     return next(o for o in _SEVERITY if row[o])
 
 
-def _verdict_table(rows: list[dict]) -> str:
-    """Rows (op, ran on) x columns dtype[/scheme]; each cell coloured by its worst
-    outcome, with the counts and the worst err/tol."""
-    dtypes = sorted({r["dtype"] for r in rows})
-    cells = {(r["op"], r["ran_on"], r["dtype"]): r for r in rows}
-    lines = []
-    for op, ran_on in sorted({(r["op"], r["ran_on"]) for r in rows}):
-        tds = []
-        for dt in dtypes:
-            r = cells.get((op, ran_on, dt))
-            if r is None:
-                tds.append("<td></td>")
-                continue
-            counts = ", ".join(f"{r[o]} {o}" for o in OUTCOMES if r[o])
-            worst = _worst_text(r["worst"])
-            tds.append(
-                f'<td class="{_outcome(r)}">{_e(counts)}<br><small>worst {_e(worst)}</small></td>'
-            )
-        lines.append(f"<tr><th>{_e(op)}</th><td>{_e(ran_on)}</td>{''.join(tds)}</tr>")
-    return _table(["op", "ran on", *dtypes], lines)
+def _verdict_blocks(rows: list[dict]) -> str:
+    """The suite's table (``report["table"]`` rows), one block per op family (in the
+    mustpass's family order): a row per op x dtype[/scheme] x backend it ran on, only
+    those that ran, with the worst outcome (coloured), the counts per outcome and the
+    worst err/tol. Six columns at most, so a block fits a laptop screen."""
+    families: dict[str, list[dict]] = {f: [] for f in dict.fromkeys(OP_FAMILIES.values())}
+    for r in rows:
+        families.setdefault(OP_FAMILIES.get(r["op"], "other"), []).append(r)
+    head = "".join(
+        f"<th>{h}</th>" for h in ("op", "dtype", "ran on", "outcome", "checks", "worst err/tol")
+    )
+    blocks = []
+    for family, mine in families.items():
+        if not mine:
+            continue
+        trs = []
+        for op in dict.fromkeys(r["op"] for r in mine):
+            of_op = [r for r in mine if r["op"] == op]  # sorted by dtype, ran on
+            for i, r in enumerate(of_op):
+                outcome = _outcome(r)
+                counts = ", ".join(f"{r[o]} {o}" for o in OUTCOMES if r[o])
+                op_cell = f'<th rowspan="{len(of_op)}">{_e(op)}</th>' if i == 0 else ""
+                trs.append(
+                    f"<tr>{op_cell}<td>{_e(r['dtype'])}</td><td>{_e(r['ran_on'])}</td>"
+                    f'<td class="{outcome}">{outcome}</td><td>{_e(counts)}</td>'
+                    f'<td class="num">{_e(worst_text(r["worst"]))}</td></tr>'
+                )
+        blocks.append(
+            f'<div class="family suite"><h4>{_e(family)}</h4><table class="card verdicts">'
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(trs)}</tbody></table></div>"
+        )
+    return "\n".join(blocks)
 
 
 def _problems(cases: list[dict]) -> str:
     rows = [
         f'<tr><td><code>{_e(c["id"])}</code></td><td class="{_e(c["outcome"])}">'
-        f"{_e(c['outcome'])}</td><td>{_e(c['ran_on'])}</td><td>{_e(_shapes(c['params']))}</td>"
-        f'<td class="num">{_e(_worst_text(worst_ratio(c["metrics"], c["tolerance"])))}</td>'
+        f"{_e(c['outcome'])}</td><td>{_e(c['ran_on'])}</td><td>{_e(shapes_text(c['params']))}</td>"
+        f'<td class="num">{_e(worst_text(worst_ratio(c["metrics"], c["tolerance"])))}</td>'
         f"<td>{_e(c['reason'])}</td></tr>"
         for c in cases
     ]
@@ -233,7 +253,7 @@ def _scorecard_section(card: dict) -> str:
 def _suite_section(report: dict) -> str:
     env, name = report["environment"], report["backend"]
     ok = report["verdict"]["run_ok"]
-    stack = ", ".join(f"{k} {v or '-'}" for k, v in env.items() if k not in _NOT_STACK)
+    stack = stack_text(env)
     legend = "".join(f'<span class="{o}">{o}</span>' for o in OUTCOMES)
     parts = [
         f"<h2>Conformance suite: <code>{_e(name)}</code></h2>",
@@ -247,12 +267,13 @@ def _suite_section(report: dict) -> str:
         f"<li>backend implements: {_e(', '.join(report['manifest']['ops']) or 'no op')}; "
         f"falls back to: {_e(' -> '.join(report['manifest']['fallback']) or '-')}</li>",
         "</ul>",
-        f'<p class="legend">Cells: counts per outcome and the worst error / tolerance '
-        f"(1.0 = at the limit), coloured by the worst outcome: {legend}</p>",
+        f'<p class="legend">Rows: an op x dtype[/scheme] x the backend it ran on; its worst '
+        f"outcome (coloured), the counts per outcome and the worst error / tolerance "
+        f"(1.0 = at the limit): {legend}</p>",
     ]
     own = [r for r in report["table"] if r["own"]]
     parts.append(f"<h3>Its own kernels: {report['summary']['total']} checks ran on {_e(name)}</h3>")
-    parts.append(_verdict_table(own) if own else f"<p>None: {_e(report['verdict']['why'])}.</p>")
+    parts.append(_verdict_blocks(own) if own else f"<p>None: {_e(report['verdict']['why'])}.</p>")
     fallback = [r for r in report["table"] if not r["own"]]
     if fallback:
         fb = report["fallback_summary"]
@@ -260,7 +281,7 @@ def _suite_section(report: dict) -> str:
             f"<h3>On fallbacks: {fb['total']} checks ran on {_e(', '.join(fb['backends']))}</h3>",
             f"<p>These judge the fallback backends, not {_e(name)}; a failure here is the "
             "fallback's bug, and it still fails the run.</p>",
-            _verdict_table(fallback),
+            _verdict_blocks(fallback),
         ]
     problems = [c for c in report["cases"] if c["outcome"] != "pass"]
     for title, mine in (("its own kernels", True), ("on fallbacks", False)):
@@ -276,7 +297,7 @@ def _grid_table(result: dict, dtype: str) -> str:
     for a, row in zip(names, cells, strict=True):
         tds = "".join(
             f'<td class="{"na" if p == NO_PAIR else "num"}">'
-            f"{_e(p if isinstance(p, str) else _cell_text(p, ' / '))}</td>"
+            f"{_e(p if isinstance(p, str) else pair_text(p, ' / '))}</td>"
             for p in row
         )
         rows.append(f"<tr><th>{_e(a)}</th>{tds}</tr>")
@@ -307,8 +328,8 @@ def _matrix_section(directory: Path, result: dict) -> str:
         parts += [f"<h3>{_e(dtype)}</h3>", _grid_table(result, dtype)]
     pair_rows = [
         f"<tr><td>{_e(p['dtype'])}</td><td>{_e(p['a'])}</td><td>{_e(p['b'])}</td>"
-        f'<td class="num">{_e(_sci(p["mean_abs_dlogp"]))}</td>'
-        f'<td class="num">{_e(_sci(p["max_abs_dlogp"]))}</td>'
+        f'<td class="num">{_e(sci(p["mean_abs_dlogp"]))}</td>'
+        f'<td class="num">{_e(sci(p["max_abs_dlogp"]))}</td>'
         f'<td class="num">{p["icepop_pop_fraction"]:.1%}</td>'
         f'<td class="num">{p["greedy_agreement"]:.1%}</td></tr>'
         for p in result["pairs"]
@@ -371,3 +392,15 @@ def write_html(directory: str | Path) -> Path:
     path = out / "conformance.html"
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def write_reports(report: dict, directory: str | Path) -> tuple[Path, Path, Path]:
+    """Write ``conformance.json``, ``conformance.md`` (:func:`.report.markdown`) and
+    ``conformance.html`` (which also shows a mismatch matrix left in ``directory`` by
+    ``--matrix``) of a report of :func:`.report.build_report`. Returns their paths."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "conformance.json", out / "conformance.md"
+    json_path.write_text(json.dumps(report, indent=2, default=str))
+    md_path.write_text(markdown(report))
+    return json_path, md_path, write_html(out)

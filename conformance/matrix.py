@@ -29,16 +29,17 @@ from glmport.core.formats import FLOAT_WEIGHT
 from glmport.core.registry import REGISTRY
 from glmport.core.selection import use_backend
 
+from .calls import device_for
+from .formatting import md_cell, pair_text, sci
 from .model_case import (
     ICEPOP_BETA,
     TEMPERATURES,
-    _inputs,
-    _model,
     backend_outputs,
+    model_inputs,
     pair_metrics,
+    tiny_model,
 )
-from .report import _md_cell
-from .runner import _dtype_name, device_for
+from .runner import dtype_name
 
 SCHEMA_VERSION = 1
 # --dtypes spellings -> dtypes.
@@ -116,11 +117,11 @@ def mismatch_matrix(
         }
         for name, emulated in chosen
     }
-    ids, mask = _inputs()
+    ids, mask = model_inputs()
     pairs, tokens = [], 0
     for dtype in dtypes:
-        dt = _dtype_name(dtype)
-        model = _model(dtype, FLOAT_WEIGHT, FLOAT_WEIGHT)
+        dt = dtype_name(dtype)
+        model = tiny_model(dtype, FLOAT_WEIGHT, FLOAT_WEIGHT)
         done: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for entry in entries.values():
             name, error = entry["name"], None
@@ -149,7 +150,7 @@ def mismatch_matrix(
     return {
         "schema_version": SCHEMA_VERSION,
         "environment": {**versions(), "host": device_name(torch.device("cpu"))},
-        "dtypes": [_dtype_name(d) for d in dtypes],
+        "dtypes": [dtype_name(d) for d in dtypes],
         "icepop_beta": ICEPOP_BETA,
         "tokens": tokens,
         "backends": list(entries.values()),
@@ -171,17 +172,6 @@ def grid(result: dict, dtype: str) -> tuple[list[str], list[list[dict | str | No
         ]
         for a in names
     ]
-
-
-def _sci(value: float) -> str:
-    return "0" if value == 0 else f"{value:.2g}"
-
-
-def _cell_text(pair: dict | None, sep: str) -> str:
-    """A grid cell: mean |delta logp| and greedy agreement ("0" on the diagonal)."""
-    if pair is None:
-        return "0"
-    return f"{_sci(pair['mean_abs_dlogp'])}{sep}{pair['greedy_agreement']:.0%}"
 
 
 def backend_errors(result: dict, backend: dict) -> str:
@@ -215,7 +205,7 @@ def markdown(result: dict) -> str:
             "|---" * (len(names) + 1) + "|",
         ]
         for a, row in zip(names, cells, strict=True):
-            shown = (p if isinstance(p, str) else _cell_text(p, " / ") for p in row)
+            shown = (p if isinstance(p, str) else pair_text(p, " / ") for p in row)
             lines.append(f"| **{a}** | " + " | ".join(shown) + " |")
         lines.append("")
     lines += [
@@ -226,8 +216,8 @@ def markdown(result: dict) -> str:
     ]
     for p in result["pairs"]:
         lines.append(
-            f"| {p['dtype']} | {p['a']} | {p['b']} | {_sci(p['mean_abs_dlogp'])} | "
-            f"{_sci(p['max_abs_dlogp'])} | {p['icepop_pop_fraction']:.1%} | "
+            f"| {p['dtype']} | {p['a']} | {p['b']} | {sci(p['mean_abs_dlogp'])} | "
+            f"{sci(p['max_abs_dlogp'])} | {p['icepop_pop_fraction']:.1%} | "
             f"{p['greedy_agreement']:.1%} |"
         )
     lines += [
@@ -245,12 +235,12 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {b['name']} | {'yes' if b['emulated'] else 'no'} | {b['device']} | "
             + " | ".join(f"{r['seconds']:.1f}" for r in runs)
-            + f" | {_md_cell(errors) or '-'} |"
+            + f" | {md_cell(errors) or '-'} |"
         )
     if any(r["error"] for b in result["backends"] for r in b["runs"].values()):
         lines += ["", "A backend that raised on the model is left out of that dtype's pairs."]
     for u in result["unavailable"]:
-        lines.append(f"- not available here: {u['name']} ({_md_cell(u['reason'])})")
+        lines.append(f"- not available here: {u['name']} ({md_cell(u['reason'])})")
     return "\n".join(lines) + "\n"
 
 
@@ -292,7 +282,7 @@ def heatmap(result: dict, path: Path) -> None:
         ax.set_yticks(range(len(names)), labels if ax is axes[0][0] else [], fontsize=8)
         for i, row in enumerate(cells):
             for j, p in enumerate(row):
-                text = p if isinstance(p, str) else _cell_text(p, "\n")
+                text = p if isinstance(p, str) else pair_text(p, "\n")
                 value = data[i][j]
                 dark = math.isfinite(value) and norm(value) < 0.6  # viridis: dark at the low end
                 ax.text(j, i, text, ha="center", va="center", fontsize=7,

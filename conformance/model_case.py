@@ -59,7 +59,7 @@ VARIANTS = {
 TEMPERATURES = (1.0, 0.7)
 
 
-def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+def model_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids ``[2, 40]`` and an attention mask ``[2, 40]`` (row 1 padded after 28)."""
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 128, (2, 40), generator=gen)
@@ -68,7 +68,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _model(dtype: torch.dtype, experts: str, dense: str):
+def tiny_model(dtype: torch.dtype, experts: str, dense: str):
     """The tiny GLM-5 in ``dtype`` on the CPU, its experts / dense projections packed
     with ``experts`` / ``dense`` (``"none"``: float) by the reference backend."""
     from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -193,7 +193,7 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
     """Judge ``backend`` (inputs on ``device``) on every variant and temperature in
     ``dtype``. Metrics and tolerances are keyed ``"<variant> T=<t>: <metric>"``; the
     plain metric names hold the float variant's worst over the temperatures."""
-    ids, mask = _inputs()
+    ids, mask = model_inputs()
     headline: dict[str, float] = {}  # the float variant's worst, under the plain names
     metrics: dict[str, float] = {}
     tol = _tolerance(LIMITS[dtype])
@@ -202,7 +202,7 @@ def run_model_check(dtype: torch.dtype, backend: str, device: torch.device) -> V
     for label, (experts, dense) in VARIANTS.items():
         quantised = (experts, dense) != (FLOAT_WEIGHT, FLOAT_WEIGHT)
         bounds = _tolerance((QUANT_LIMITS if quantised else LIMITS)[dtype])
-        model = _model(dtype, experts, dense)
+        model = tiny_model(dtype, experts, dense)
         # The same weights in the same precision: only the backend differs.
         with use_backend(REGISTRY.reference()):
             ref = _logprobs(model, ids, mask)

@@ -1,6 +1,7 @@
 """Conformance reports: a summary table (op x dtype x the backend it ran on),
 ``conformance.json`` (every check, the environment, the backend manifest, the verdict,
-counts) and ``conformance.md``.
+counts) and ``conformance.md``; :func:`.html.write_reports` writes them with the HTML
+page.
 
 The verdict is about the backend under test: its own checks (``own``: the check ran
 its kernel) decide whether it conforms, and at least one of them must pass. Checks
@@ -10,7 +11,6 @@ listed apart, and a fallback failure still fails the run, as the fallback's bug.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +21,7 @@ from glmport.core.environment import device_name, versions
 from glmport.core.errors import ConfigError
 from glmport.core.registry import REGISTRY, chain_for
 
+from .formatting import md_cell, shapes_text, stack_text, worst_text
 from .mustpass import STATUSES, defined_ids, evaluate, load, newest, summary_line
 from .runner import MODEL_OP, OUTCOMES, dtype_key
 from .scorecard import (
@@ -99,9 +100,6 @@ def _verdict(backend: str, declared: list[str], own: dict, fallback: dict) -> di
     else:
         why = ""
     return {"conforms": conforms, "run_ok": conforms and fallback_ok, "why": why}
-
-
-_NOT_STACK = ("glmport", "python", "torch", "device", "device_name")
 
 
 def _mustpass_parts(records: list[dict], *, backend: str, emulate: bool, ops, mustpass) -> dict:
@@ -197,10 +195,6 @@ def verdict_line(report: dict) -> str:
     return line
 
 
-def _worst_text(worst: float | None) -> str:
-    return "-" if worst is None else f"{worst:.3f}"
-
-
 def table_lines(report: dict) -> list[str]:
     """The terminal table: own rows first, the ``ran on`` column tells them apart."""
     rows = [("op", "dtype", "ran on", "pass", "fail", "unsup", "skip", "error", "worst err/tol")]
@@ -211,23 +205,13 @@ def table_lines(report: dict) -> list[str]:
                 r["dtype"],
                 r["ran_on"],
                 *(str(r[o]) for o in OUTCOMES),
-                _worst_text(r["worst"]),
+                worst_text(r["worst"]),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
-
-
-def _shapes(params: dict) -> str:
-    """A case's sizes, compactly: ``t=5, h=4, shape=5x32``."""
-    shown = ("x".join(map(str, v)) if isinstance(v, list) else str(v) for v in params.values())
-    return ", ".join(f"{k}={s}" for k, s in zip(params, shown, strict=True)) or "-"
-
-
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _md_table(rows: list[dict]) -> list[str]:
@@ -239,7 +223,7 @@ def _md_table(rows: list[dict]) -> list[str]:
         lines.append(
             f"| {r['op']} | {r['dtype']} | {r['ran_on']} | "
             + " | ".join(str(r[o]) for o in OUTCOMES)
-            + f" | {_worst_text(r['worst'])} |"
+            + f" | {worst_text(r['worst'])} |"
         )
     return lines
 
@@ -250,16 +234,19 @@ def _md_problems(cases: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for c in cases:
-        worst = _worst_text(worst_ratio(c["metrics"], c["tolerance"]))
+        worst = worst_text(worst_ratio(c["metrics"], c["tolerance"]))
         lines.append(
-            f"| `{c['id']}` | {c['outcome']} | {c['ran_on']} | {_shapes(c['params'])} | "
-            f"{worst} | {_md_cell(c['reason'])} |"
+            f"| `{c['id']}` | {c['outcome']} | {c['ran_on']} | {shapes_text(c['params'])} | "
+            f"{worst} | {md_cell(c['reason'])} |"
         )
     return lines
 
 
 def markdown(report: dict) -> str:
+    """``conformance.md``: the verdict, the environment, the tables and the checks not
+    passed (own kernels and fallbacks apart), then the mustpass section."""
     env, name = report["environment"], report["backend"]
+    stack = stack_text(env)
     own, fb = report["summary"], report["fallback_summary"]
     lines = [
         f"# glmport conformance: `{name}`",
@@ -269,7 +256,7 @@ def markdown(report: dict) -> str:
         *([f"**{mustpass_line(report)}**", ""] if report.get("mustpass") else []),
         f"- device: {env['device']} ({env['device_name']}); emulated: {report['emulate']}",
         f"- glmport {env['glmport']}, torch {env['torch']}, python {env['python']}"
-        + "".join(f", {k} {v or '-'}" for k, v in env.items() if k not in _NOT_STACK),
+        + (f", {stack}" if stack else ""),
         f"- backend implements: {', '.join(report['manifest']['ops']) or 'no op (all fall back)'}; "
         f"falls back to: {' -> '.join(report['manifest']['fallback']) or '-'}",
         f"- verified on: {report['manifest']['verified']}",
@@ -319,7 +306,7 @@ def _md_mustpass(report: dict) -> list[str]:
                   "are counted above, not listed):", "", "| check | status | ran on | reason |",
                   "|---|---|---|---|"]  # fmt: skip
         lines += [
-            f"| `{p['id']}` | {p['status']} | {p['ran_on'] or '-'} | {_md_cell(p['reason'])} |"
+            f"| `{p['id']}` | {p['status']} | {p['ran_on'] or '-'} | {md_cell(p['reason'])} |"
             for p in shown
         ]
     card = report["scorecard"]
@@ -356,16 +343,3 @@ def combined_scorecard(
         raise ConfigError("--scorecard: no mustpass version ships with this glmport")
     reports = [(str(p), read_report(p)) for p in paths]
     return combine(reports, load(version), [read_bench(Path(b)) for b in bench])
-
-
-def write_reports(report: dict, directory: str | Path) -> tuple[Path, Path, Path]:
-    """Write ``conformance.json``, ``conformance.md`` and ``conformance.html`` (which
-    also shows a mismatch matrix left in ``directory`` by ``--matrix``)."""
-    from .html import write_html
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / "conformance.json", out / "conformance.md"
-    json_path.write_text(json.dumps(report, indent=2, default=str))
-    md_path.write_text(markdown(report))
-    return json_path, md_path, write_html(out)

@@ -14,13 +14,8 @@ Each record names the backend whose kernel the check ran (``ran_on``) and whethe
 that is the backend under test (``own``) or a fallback along its chain: the verdict
 is about the backend's own kernels, fallback results are reported apart.
 
-Gradients, whose code they judge: autograd runs the spec's closed form (straight-
-through GEMMs), else the first ``"<op>:backward"`` along the forward's chain, else
-the vjp of the composite's torch code, so a ``gradient`` check judges the backend
-only when that backward is its own (``metrics["backward"]`` names it: ``"X:backward"``,
-``"composite vjp (X)"`` or ``"glmport closed form"``); otherwise it is skipped with ``ran_on``
-naming whose backward ran. ``grad_consistency`` ties the backend's forward to that
-backward, so a wrong forward cannot hide behind a borrowed, right backward.
+The gradient checks, and whose backward they judge, are in :mod:`.gradients`; calling
+an op of a case and the float64 reference in :mod:`.calls`.
 """
 
 from __future__ import annotations
@@ -33,27 +28,17 @@ import torch
 import glmport
 from glmport.core.errors import BackendUnavailableError, OpInputError, UnsupportedError
 from glmport.core.formats import FP8_DTYPE, SCHEMES
-from glmport.core.registry import (
-    ANY_DEVICE,
-    BACKWARD_SUFFIX,
-    PREPARABLE_OPS,
-    REGISTRY,
-    chain_for,
-)
-from glmport.core.selection import (
-    backward_owner,
-    composite_owner,
-    current_settings,
-    resolve,
-    selected_device,
-    use_backend,
-)
+from glmport.core.registry import PREPARABLE_OPS, REGISTRY, chain_for
+from glmport.core.selection import current_settings, resolve, use_backend
 from glmport.core.specs import OP_NAMES, SPECS
 
 from .badinput import BAD_INPUTS, BadInput
-from .cases import FLOATS, Case, all_cases
+from .calls import call_op, dense_args, device_for, on_device, reference, to_cpu, to_device
+from .cases import all_cases
+from .cases.base import FLOATS, Case
 from .ep_case import ep_cases, run_ep_check
-from .judges import JUDGES, Verdict, close
+from .gradients import Attributed, consistency_verdict, gradient_verdict
+from .judges import JUDGES, Verdict
 
 OUTCOMES = ("pass", "fail", "unsupported", "skipped", "error")
 KINDS = (
@@ -91,7 +76,7 @@ class Check:
     @property
     def dtype_column(self) -> str:
         """Its record's column in the reports (:func:`dtype_key`)."""
-        return dtype_key(_dtype_name(self.case.dtype), self.case.scheme)
+        return dtype_key(dtype_name(self.case.dtype), self.case.scheme)
 
 
 @dataclass
@@ -123,7 +108,7 @@ class Record:
         return asdict(self)
 
 
-def _dtype_name(d: torch.dtype) -> str:
+def dtype_name(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
@@ -183,52 +168,6 @@ def _model_case(dtype: torch.dtype) -> Case:
     )
 
 
-def device_for(device_type: str) -> torch.device:
-    """Where inputs go for kernels of ``device_type``: device-neutral code takes
-    ``GLMPORT_DEVICE`` (else the CPU)."""
-    if device_type == ANY_DEVICE:
-        return selected_device()  # a ConfigError if GLMPORT_DEVICE names no device here
-    return torch.device(device_type)
-
-
-def _to(args: tuple, device: torch.device) -> tuple:
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def _on_device(case: Case, args: tuple, device: torch.device) -> tuple:
-    """The case's ``args`` on ``device``, in the case's layout there."""
-    return case.laid_out(_to(args, device))
-
-
-def _dense(args: tuple) -> tuple:
-    """``args`` with every tensor contiguous: what the reference and the judges read, so
-    that they never depend on a layout under test."""
-    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def _cpu(outs):
-    return tuple(o.detach().cpu() for o in outs) if isinstance(outs, tuple) else outs.detach().cpu()
-
-
-def _call(op: str, args: tuple):
-    return getattr(glmport.ops, op)(*args)
-
-
-def _reference_kernels():
-    """The reference backend's kernels and its float64 mode (the role, not a name)."""
-    name = REGISTRY.reference()
-    return REGISTRY.kernels(name, False), REGISTRY.get(name).float64
-
-
-def _reference(case: Case, args: tuple):
-    kernels, float64 = _reference_kernels()
-    with float64():
-        if case.judge == "indexer":
-            q, k, w, ks, ke, _, qs, kss = args
-            return kernels["indexer_logits"](q, k, w, ks, ke, qs, kss)
-        return kernels[case.op](*args)
-
-
 def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Record:
     """Run one check on ``backend``; never raises for what the backend does."""
     c = check.case
@@ -237,7 +176,7 @@ def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Rec
         op=c.op,
         kind=check.kind,
         family=c.family,
-        dtype=_dtype_name(c.dtype),
+        dtype=dtype_name(c.dtype),
         scheme=c.scheme,
         params={k: (list(v) if isinstance(v, tuple) else v) for k, v in c.params},
         outcome="error",
@@ -324,9 +263,9 @@ def _capability_fallback(res, case: Case, device_type: str) -> tuple[str, str]:
 def _value(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
     args = c.args()
-    outs = _cpu(_call(c.op, _on_device(c, args, device)))
-    dense = _dense(args)
-    return JUDGES[c.judge](c.op, c.dtype, dense, outs, _reference(c, dense))
+    outs = to_cpu(call_op(c.op, on_device(c, args, device)))
+    dense = dense_args(args)
+    return JUDGES[c.judge](c.op, c.dtype, dense, outs, reference(c, dense))
 
 
 def _prepared(check: Check, device: torch.device, backend: str) -> Verdict:
@@ -335,7 +274,7 @@ def _prepared(check: Check, device: torch.device, backend: str) -> Verdict:
     ``"<op>:prepared"`` kernel when it keeps a native layout)."""
     c = check.case
     args = c.args()
-    x, w, *rest = _on_device(c, args, device)
+    x, w, *rest = on_device(c, args, device)
     if c.op == "grouped_gemm":
         offsets, w_scale, scheme, group_size = rest
         prepared = glmport.prepare_weight(c.op, w, w_scale, scheme, group_size)
@@ -344,8 +283,8 @@ def _prepared(check: Check, device: torch.device, backend: str) -> Verdict:
         w_scale, scheme, group_size = rest
         prepared = glmport.prepare_weight(c.op, w, w_scale, scheme, group_size)
         out = glmport.ops.quant_gemm(x, prepared)
-    dense = _dense(args)
-    verdict = JUDGES[c.judge](c.op, c.dtype, dense, _cpu(out), _reference(c, dense))
+    dense = dense_args(args)
+    verdict = JUDGES[c.judge](c.op, c.dtype, dense, to_cpu(out), reference(c, dense))
     layout = "native layout" if prepared.native is not None else "canonical layout"
     return Verdict(verdict.ok, f"{layout}; {verdict.reason}".rstrip("; "), verdict.metrics,
                    verdict.tolerance)  # fmt: skip
@@ -357,24 +296,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _determinism(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
-    args = _to(c.args(), device)
-    first, second = _call(c.op, args), _call(c.op, args)
+    args = to_device(c.args(), device)
+    first, second = call_op(c.op, args), call_op(c.op, args)
     first = first if isinstance(first, tuple) else (first,)
     second = second if isinstance(second, tuple) else (second,)
     for i, (a, b) in enumerate(zip(first, second, strict=True)):
         if a.shape != b.shape or not torch.equal(_bits(a), _bits(b)):
             return Verdict(False, f"output {i} differs between two identical calls")
     return Verdict(True)
-
-
-@dataclass
-class Attributed(Verdict):
-    """A verdict that says whose code it judged: ``ran_on`` (when set) replaces the
-    record's (the backend whose backward ran), and ``skipped`` makes the outcome
-    "skipped" (the check ran none of the backend under test's code, or cannot judge it)."""
-
-    ran_on: str = ""
-    skipped: bool = False
 
 
 def _attribute(rec: Record, verdict: Verdict) -> None:
@@ -385,240 +314,14 @@ def _attribute(rec: Record, verdict: Verdict) -> None:
             rec.outcome = "skipped"
 
 
-CLOSED_FORM = "glmport closed form"
-
-
-def _backward_in_use(op: str, device: torch.device) -> tuple[str, str]:
-    """Which backward autograd runs for ``op`` on ``device`` under the current settings,
-    as ``(label, owner)``, resolved as :func:`glmport.core.dispatch.backward` does:
-    the spec's closed form (``"glmport closed form"``, no backend's code), else the first
-    ``"<op>:backward"`` along the forward's chain (``"X:backward"``, owner X), else the
-    vjp of the composite's torch code (``"composite vjp (X)"``, owner X)."""
-    if SPECS[op].backward is not None:
-        return CLOSED_FORM, CLOSED_FORM
-    settings = current_settings()
-    chain = resolve(op, settings, device_type=device.type).chain
-    owner = backward_owner(op, chain, settings.emulate)
-    if owner is not None:
-        return f"{owner}{BACKWARD_SUFFIX}", owner
-    owner = composite_owner(op, chain)
-    return f"composite vjp ({owner})", owner
-
-
-def _forward_on_leaves(case: Case, device: torch.device):
-    """The case's arguments, the positions that receive gradients, the arguments on
-    ``device`` with those as fresh leaves, the op's outputs on them (a tuple) and the
-    case's seeded cotangents (None for integer outputs)."""
-    args = case.args()
-    wanted = _differentiable(SPECS[case.op], args)
-    leaves = list(_to(args, device))
-    for i in wanted:
-        leaves[i] = leaves[i].detach().requires_grad_(True)
-    outs = _call(case.op, tuple(leaves))
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    return args, wanted, leaves, outs, _cotangents(case, outs)
-
-
-def _differentiable(spec, args: tuple) -> list[int]:
-    """Positions of the floating tensor arguments that receive gradients."""
-    return [
-        i
-        for i, n in enumerate(spec.arg_names)
-        if n in spec.differentiable
-        and isinstance(args[i], torch.Tensor)
-        and args[i].dtype in FLOATS
-    ]
-
-
-def _cotangents(case: Case, outs: tuple) -> list[torch.Tensor | None]:
-    """A seeded float32 cotangent (CPU) per floating output, None for integer outputs."""
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    return [torch.randn(o.shape, generator=gen) if o.is_floating_point() else None for o in outs]
-
-
-def _gradient(check: Check, device: torch.device, backend: str) -> Verdict:
-    """Gradients of ``sum(out * cotangent)`` through the backend against float64
-    reference gradients (the autograd of the float64 reference).
-
-    Judged only when the backward in use (:func:`_backward_in_use`) is the backend's
-    own code (its ``"<op>:backward"``, or the vjp of its own forward when it is the
-    composite); otherwise the check is skipped with ``ran_on`` naming whose backward
-    ran (``"glmport closed form"`` for the spec's straight-through gradients), since a pass
-    would say nothing about the backend: ``grad_consistency`` judges its forward
-    against that backward instead. ``metrics["backward"]`` names the backward."""
-    c = check.case
-    source, owner = _backward_in_use(c.op, device)
-    if owner != backend:
-        return Attributed(
-            True,
-            f"gradients come from {source}, not from {backend}'s code; "
-            "see the forward/backward consistency check",
-            {"backward": source},
-            ran_on=owner,
-            skipped=True,
-        )
-    spec = SPECS[c.op]
-    args, wanted, leaves, outs, cots = _forward_on_leaves(c, device)
-    loss = sum(
-        (torch.where(torch.isfinite(o), o, 0).float() * ct.to(device)).sum()
-        for o, ct in zip(outs, cots, strict=True)
-        if ct is not None
-    )
-    got = torch.autograd.grad(loss, [leaves[i] for i in wanted], allow_unused=True)
-    want = _reference_grads(c.op, args, wanted, outs, cots)
-    for i, g, r in zip(wanted, got, want, strict=True):
-        g = torch.zeros_like(r) if g is None else g.detach().cpu()
-        v = close(c.op, c.dtype, args, g, r)
-        if not v.ok:
-            return Attributed(
-                False,
-                f"gradient of '{spec.arg_names[i]}' ({source}): {v.reason}",
-                {**v.metrics, "backward": source},
-                v.tolerance,
-                ran_on=owner,
-            )
-    return Attributed(True, "", {"backward": source}, ran_on=owner)
-
-
-# Consistency by central differences of the float32 forward (specs take no float64).
-# One differentiable input x at a time moves by +-h * d, d ~ N(0, rms(x)^2) per entry,
-# starting at h = eps32^(1/3) ~ 5e-3, which balances truncation (~h^2) against rounding
-# (~eps/h). The error is relative to ||grad * step||_2, the size of a directional
-# derivative along a random direction: the cpu and generic kernels stay near 1e-4 of it
-# (a kernel rounding up to the value tolerance, ~100x more, still passes), a wrong
-# forward or backward is off by O(0.1-1). Kinks (relu) and discrete choices (top-k)
-# are met with smaller steps: one step must agree.
-FD_STEPS = tuple(float(torch.finfo(torch.float32).eps) ** (1 / 3) / 4**j for j in range(3))
-FD_RTOL = 1e-2
-
-
-def _objective(outs: tuple, cots: list, finite: list) -> torch.Tensor:
-    """``sum(out * cot)`` in float64 over the floating outputs, leaving out entries that
-    are non-finite at the base point (``-inf`` lse of empty rows). A scalar."""
-    return sum(
-        (torch.where(f, o.double(), 0) * ct.to(o.device).double()).sum()
-        for o, ct, f in zip(outs, cots, finite, strict=True)
-        if ct is not None
-    )
-
-
-def _grad_consistency(check: Check, device: torch.device, backend: str) -> Verdict:
-    """The backend's forward against the backward in use (:func:`_backward_in_use`).
-
-    With ``L = sum(out * cot)`` (cotangents as in the gradient check), per differentiable
-    input ``x`` (float32; integer inputs such as indices fixed): the central difference
-    ``L(x+) - L(x-)`` of the backend's forward kernel at ``x+- = x +- h d`` (``d`` a
-    seeded random tensor of ``x``'s shape, scaled to ``x``'s RMS; ``L`` a scalar) must match
-    ``<dL/dx, x+ - x->`` from the backward autograd runs, within ``FD_RTOL`` of
-    ``||dL/dx * (x+ - x-)||_2``, at one of the steps ``FD_STEPS`` at which the integer
-    outputs (top-k choices) stay those at ``x``. A wrong forward disagrees with a
-    borrowed backward, a wrong fused backward with a right forward. Ops whose spec has
-    a closed-form (straight-through) backward are skipped: their gradient is by design
-    not the derivative of the forward (piecewise constant in quantised weights)."""
-    c = check.case
-    spec = SPECS[c.op]
-    source, owner = _backward_in_use(c.op, device)
-    if owner == CLOSED_FORM:
-        return Attributed(
-            True,
-            f"{c.op}'s backward is the spec's closed form (straight-through), by design "
-            "not the derivative of its forward",
-            {"backward": source},
-            skipped=True,
-        )
-    args, wanted, leaves, outs, cots = _forward_on_leaves(c, device)
-    finite = [torch.isfinite(o) if o.is_floating_point() else None for o in outs]
-    grads = torch.autograd.grad(
-        _objective(outs, cots, finite), [leaves[i] for i in wanted], allow_unused=True
-    )
-    gen = torch.Generator().manual_seed(c.seed + 2)
-    metrics: dict = {"backward": source, "consistency_rel": 0.0}
-    tol = {"consistency_rel": FD_RTOL}
-    for i, g in zip(wanted, grads, strict=True):
-        g = torch.zeros(args[i].shape) if g is None else g.detach().cpu().double()
-        x = args[i].double()
-        d = torch.randn(x.shape, generator=gen, dtype=torch.float64)
-        d = d * x.square().mean().sqrt().clamp_min(1e-3)
-        best = None
-        for h in FD_STEPS:
-            plus, minus = list(args), list(args)
-            plus[i], minus[i] = ((x + s * h * d).to(args[i].dtype) for s in (1, -1))
-            got = []
-            for a in (plus, minus):
-                o = _call(c.op, _to(tuple(a), device))
-                got.append(o if isinstance(o, tuple) else (o,))
-            if any(
-                not o.is_floating_point() and not (torch.equal(o, p) and torch.equal(o, m))
-                for o, p, m in zip(outs, *got, strict=True)
-            ):
-                continue  # a discrete choice flipped: the derivative holds it fixed
-            step = plus[i].double() - minus[i].double()
-            numeric = float(_objective(got[0], cots, finite) - _objective(got[1], cots, finite))
-            analytic = float((g * step).sum())
-            err = abs(numeric - analytic) / max(float((g * step).norm()), 1e-30)
-            if best is None or err < best[0]:
-                best = (err, numeric, analytic)
-            if err <= FD_RTOL:
-                break
-        name = spec.arg_names[i]
-        if best is None:
-            return Attributed(
-                True,
-                f"'{name}': integer outputs (top-k choices) change under every step "
-                f"{FD_STEPS}: no derivative to compare",
-                metrics,
-                skipped=True,
-            )
-        metrics["consistency_rel"] = max(metrics["consistency_rel"], best[0])
-        if best[0] > FD_RTOL:
-            return Attributed(
-                False,
-                f"'{name}': the forward's directional derivative {best[1]:.6g} (central "
-                f"differences) disagrees with {source}'s {best[2]:.6g}: off by "
-                f"{best[0]:.3g} of ||grad*step|| (tolerance {FD_RTOL:g})",
-                metrics,
-                tol,
-            )
-    return Attributed(True, "", metrics, tol)
-
-
-def _reference_grads(op, args, wanted, outs, cots):
-    spec = SPECS[op]
-    if spec.backward is not None:
-        grads = tuple(
-            torch.zeros(o.shape, dtype=torch.float64) if ct is None else ct.double()
-            for o, ct in zip(outs, cots, strict=True)
-        )
-        inputs = tuple(a.double() if i in wanted else a for i, a in enumerate(args))
-        full = spec.backward(inputs, grads)
-        return [full[i].double() for i in wanted]
-    kernels, float64 = _reference_kernels()
-    kernel = kernels[op]
-    leaves = list(args)
-    for i in wanted:
-        leaves[i] = args[i].detach().double().requires_grad_(True)
-    with float64():
-        refs = kernel(*leaves)
-    refs = refs if isinstance(refs, tuple) else (refs,)
-    loss = sum(
-        (torch.where(torch.isfinite(r), r, 0) * ct.double()).sum()
-        for r, ct in zip(refs, cots, strict=True)
-        if ct is not None
-    )
-    grads = torch.autograd.grad(loss, [leaves[i] for i in wanted], allow_unused=True)
-    return [
-        torch.zeros_like(leaves[i]) if g is None else g for i, g in zip(wanted, grads, strict=True)
-    ]
-
-
 def _bad_input(check: Check, device: torch.device, backend: str) -> Verdict:
     bad = check.bad
     spec = SPECS[bad.op]
-    args = list(_to(check.case.args(), device))
+    args = list(to_device(check.case.args(), device))
     pos = spec.arg_names.index(bad.arg)
     args[pos] = bad.mutate(args[pos])
     try:
-        _call(bad.op, tuple(args))
+        call_op(bad.op, tuple(args))
     except OpInputError as err:
         if err.arg != bad.arg or err.op != bad.op:
             return Verdict(
@@ -633,7 +336,7 @@ def _bad_input(check: Check, device: torch.device, backend: str) -> Verdict:
 def _opcheck(check: Check, device: torch.device, backend: str) -> Verdict:
     c = check.case
     spec = SPECS[c.op]
-    args = list(_to(c.args(), device))
+    args = list(to_device(c.args(), device))
     for i, n in enumerate(spec.arg_names):
         if (
             n in spec.differentiable
@@ -651,6 +354,14 @@ def _opcheck(check: Check, device: torch.device, backend: str) -> Verdict:
         utils = utils[1:]  # torch's schema checker cannot compare float8 tensors (allclose)
     torch.library.opcheck(getattr(torch.ops.glmport, c.op).default, tuple(args), test_utils=utils)
     return Verdict(True)
+
+
+def _gradient(check: Check, device: torch.device, backend: str) -> Verdict:
+    return gradient_verdict(check.case, device, backend)
+
+
+def _grad_consistency(check: Check, device: torch.device, backend: str) -> Verdict:
+    return consistency_verdict(check.case, device, backend)
 
 
 def _expert_parallel(check: Check, device: torch.device, backend: str) -> Verdict:

@@ -76,7 +76,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _settings(config: pytest.Config) -> SuiteSettings:
     from glmport.conformance import mustpass
-    from glmport.conformance.runner import device_for
+    from glmport.conformance.calls import device_for
     from glmport.core import environment
     from glmport.core.errors import ConfigError
     from glmport.core.registry import REGISTRY
@@ -174,7 +174,8 @@ class _Collector:
         s = _settings(self.config)
         if not self.records and s.mustpass is None:
             return
-        from glmport.conformance.report import build_report, write_reports
+        from glmport.conformance.html import write_reports
+        from glmport.conformance.report import build_report
 
         self.report = build_report(
             self.records,

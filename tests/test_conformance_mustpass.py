@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from glmport.cli import main
 from glmport.conformance import mustpass
-from glmport.conformance.html import write_html
+from glmport.conformance.html import write_html, write_reports
 from glmport.conformance.mustpass import (
     OP_FAMILIES,
     evaluate,
@@ -32,7 +32,7 @@ from glmport.conformance.mustpass import (
     select_checks,
     versions,
 )
-from glmport.conformance.report import build_report, mustpass_line, write_reports
+from glmport.conformance.report import build_report, mustpass_line
 from glmport.conformance.runner import MODEL_OP, Record, suite_checks
 from glmport.conformance.scorecard import (
     cell_text,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import glmport
-from glmport.conformance.cases import LOGPROB_TEMPERATURES
+from glmport.conformance.cases.logprobs import LOGPROB_TEMPERATURES
 from glmport.conformance.runner import run_check, suite_checks
 from glmport.core.formats import quantize_tensor
 from glmport.core.registry import REGISTRY

@@ -435,10 +435,13 @@ def test_core_and_the_conformance_runner_name_no_backend():
     import ast
     from pathlib import Path
 
+    import glmport.conformance.calls as calls
+    import glmport.conformance.gradients as gradients
     import glmport.conformance.runner as runner
     import glmport.core as core
 
-    files = [*Path(core.__file__).parent.rglob("*.py"), Path(runner.__file__)]
+    runners = [Path(m.__file__) for m in (runner, calls, gradients)]
+    files = [*Path(core.__file__).parent.rglob("*.py"), *runners]
     for path in files:
         names = {
             node.value

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from glmport.conformance import runner
+from glmport.conformance import gradients, runner
 from glmport.core.tolerance import tolerance
 
 LOW = (torch.bfloat16, torch.float16)
@@ -31,12 +31,12 @@ def measure(families=None, kinds=("value", "gradient")) -> Iterator[tuple]:
                 continue
             seen: list[dict] = []
 
-            def recording(*args, _close=runner.close, _seen=seen):
+            def recording(*args, _close=gradients.close, _seen=seen):
                 verdict = _close(*args)
                 _seen.append(verdict.metrics)
                 return verdict
 
-            with mock.patch.object(runner, "close", recording):
+            with mock.patch.object(gradients, "close", recording):
                 rec = runner.run_check(check, backend)
             if rec.outcome == "skipped":  # gradients another backend computes
                 continue

@@ -117,11 +117,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay(path: str, names: tuple | None, emulate: tuple | None, as_json: bool) -> int:
     """``glmport diff --replay FILE``: exit 0 when every backend passes on the call."""
-    from glmport.conformance import diff
+    from glmport.conformance import replay
 
-    data, records, pair = diff.replay_call(path, names, emulate)
+    data, records, pair = replay.replay_call(path, names, emulate)
     names = names or tuple(data["backends"])
-    summaries = [diff.record_summary(n, r) for n, r in zip(names, records, strict=True)]
+    summaries = [replay.record_summary(n, r) for n, r in zip(names, records, strict=True)]
     if as_json:
         shown = {k: v for k, v in data.items() if k != "args"}
         pair_json = None if pair is None else {"ok": pair.ok, "reason": pair.reason}
@@ -131,7 +131,7 @@ def _replay(path: str, names: tuple | None, emulate: tuple | None, as_json: bool
             f"op call {data['op']} #{data['index']} (layer {data['layer']}, {data['scope']}), "
             f"fingerprint {data['fingerprint']}"
         )
-        print(f"  inputs: {diff.describe_inputs(data['op'], tuple(data['args']))}")
+        print(f"  inputs: {replay.describe_inputs(data['op'], tuple(data['args']))}")
         for s in summaries:
             reason = f": {s['reason']}" if s["reason"] else ""
             print(
