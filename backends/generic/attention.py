@@ -87,7 +87,7 @@ def _softmax_(
     return p, (m + torch.log(total)).squeeze(-1)
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul``, as a plain GEMM when there is one batch (decode, absorbed
     MLA's one kv head): the CPU's ``bmm`` of a batch of one measured ~25% slower."""
     if a.dim() > 2 and a.shape[:-2].numel() == 1 and b.shape[:-2].numel() == 1:
@@ -168,7 +168,7 @@ class _Chunk:
         self.kg = _gather(k, self.slots)  # [Tc, Hkv, K, Dk]
         # Absorbed MLA's value is a prefix of the key: slice the gather instead of redoing it.
         self.vg = self.kg[..., : v.shape[-1]] if _v_is_k_prefix(k, v) else _gather(v, self.slots)
-        s = _matmul(self.qg, self.kg.transpose(-1, -2)).mul_(scale)
+        s = matmul(self.qg, self.kg.transpose(-1, -2)).mul_(scale)
         if not self.all_valid:
             s.masked_fill_(~valid[:, None, None, :], float("-inf"))
         self.s = s
@@ -176,14 +176,14 @@ class _Chunk:
     def pv(self, p: torch.Tensor) -> torch.Tensor:
         """``p @ V`` ``[Tc, Hkv, G, Dv]`` for probabilities ``p`` shaped like ``s``."""
         if self.window is None:
-            return _matmul(p, self.vg)
+            return matmul(p, self.vg)
         return self.window_matmul(p, self.vw)
 
     @staticmethod
     def window_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x [Tc, Hkv, G, X] @ w [Hkv, X, D]`` as one GEMM per kv head."""
         tc, hkv, g, _ = x.shape
-        return _matmul(_heads(x), w).view(hkv, tc, g, w.shape[-1]).permute(1, 0, 2, 3)
+        return matmul(_heads(x), w).view(hkv, tc, g, w.shape[-1]).permute(1, 0, 2, 3)
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from glmport.backends.cpu.indexer import clamp_key_ranges
 
-from .attention import _matmul
+from .attention import matmul
 from .tiling import rows_per_tile
 
 KEY_TILE = 65536
@@ -28,7 +28,7 @@ def _tile_scores(qf, kf, weights, k_start, k_end, n0, n1, masked=True):
     """``[Tc, n1 - n0]`` scores of a query chunk against key tile ``[n0, n1)``; with
     ``masked`` false the caller knows every query sees the whole tile."""
     dots = torch.matmul(qf, kf[n0:n1].T).relu_()  # [Tc, Hi, Nt]
-    scores = _matmul(weights[:, None, :], dots).squeeze(1)
+    scores = matmul(weights[:, None, :], dots).squeeze(1)
     if not masked:
         return scores
     slots = torch.arange(n0, n1, device=qf.device)
