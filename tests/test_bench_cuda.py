@@ -108,3 +108,39 @@ def test_the_peak_fraction_is_the_bound_resource_of_the_rows_precision(monkeypat
     assert b.peak_fraction(compute_bound, "w8a8") == {}
     b.peaks = None
     assert b.peak_fraction(memory_bound, None) == {}
+
+
+def test_compile_only_run_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_path):
+    """``bench/cuda_compile.py`` on a reduced set (two ops' tiny cases, both targets):
+    every variant compiles, ptxas reads it, and the dots lower as the dtype says."""
+    out = tmp_path / "compile.json"
+    args = ("--families", "tiny", "--arch", "90,100", "--ops", "rms_norm,sparse_attention")
+    data = run_bench_json("cuda_compile.py", out, *args, idle_s=150)
+    rows = data["rows"]
+    assert [r for r in rows if "error" in r] == []
+    assert {r["arch"] for r in rows} == {"sm_90a", "sm_100a"}
+    assert {r["kernel"] for r in rows} == {"_rms_norm_kernel", "_attention_kernel"}
+    assert all(r["registers"] > 0 and r["compile_s"] > 0 for r in rows)
+    attention = [r for r in rows if r["op"] == "sparse_attention"]
+    half = [r for r in attention if "float32" not in r["case"]]
+    # 16-bit dots run on tensor cores; float32 ones are IEEE (no TF32), so FMA.
+    assert half and all(r["mma"] != "fma" for r in half), half
+    assert all(r["mma"] == "fma" for r in attention if "float32" in r["case"])
+    assert all(r["mma"] == "fma" for r in rows if r["op"] == "rms_norm")
+
+
+@pytest.mark.parametrize(
+    ("ptx", "kind"),
+    [
+        ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "wgmma"),
+        ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05"),
+        ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync"),
+        ("fma.rn.f32 %f1, %f2, %f3, %f4;", "fma"),
+    ],
+)
+def test_the_mma_kind_is_read_off_the_ptx(ptx, kind):
+    spec = importlib.util.spec_from_file_location("cuda_compile", BENCH / "cuda_compile.py")
+    sys.path.insert(0, str(BENCH))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.mma_kind(ptx) == kind
