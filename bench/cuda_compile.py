@@ -13,6 +13,7 @@ its (dynamic) shared memory; the PTX names the MMA kind (``wgmma``, ``tcgen05``,
 ``mma.sync``, or none: FMA).
 
 Rows (one per variant and architecture): kernel, the case that produced it, its
+autotune config's index (0: the default, listed first; None: not autotuned), its
 constexpr meta-parameters and warps / stages, registers, spill stores / loads (bytes),
 shared memory (bytes), MMA kind, compile seconds. A compile error is a row with
 ``error`` and makes the exit status 1.
@@ -101,11 +102,13 @@ def gpu_target(arch: int) -> Iterator[None]:
 @contextmanager
 def compile_only(compiled: list) -> Iterator[None]:
     """Every kernel launch compiles instead (each autotune config in turn), appending
-    ``(kernel name, launch keywords, compiled kernel or exception, seconds)``."""
+    ``(kernel name, launch keywords, autotune config index or None, compiled kernel or
+    exception, seconds)``; config 0 is the default, the one listed first."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     run, tune = JITFunction.run, Autotuner.run
+    config_index: list[int | None] = [None]
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         t0 = time.perf_counter()
@@ -113,12 +116,17 @@ def compile_only(compiled: list) -> Iterator[None]:
             kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # a compile error is a row, not the end of the run
             kernel = e
-        compiled.append((self.fn.__name__, kwargs, kernel, time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        compiled.append((self.fn.__name__, kwargs, config_index[0], kernel, seconds))
         return kernel
 
     def every_config(self, *args, **kwargs):
-        for config in self.configs:
-            self.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+        for index, config in enumerate(self.configs):
+            config_index[0] = index
+            try:
+                self.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+            finally:
+                config_index[0] = None
 
     JITFunction.run, Autotuner.run = compile_launch, every_config
     try:
@@ -186,12 +194,13 @@ def compile_cases(arch: int, families: tuple[str, ...], ops: tuple[str, ...] | N
                 except Exception as e:  # the wrapper itself failed: say which case
                     rows.append({"arch": ARCHS[arch], "case": case.id, "kernel": "-",
                                  "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-            for name, kwargs, kernel, seconds in compiled:
+            for name, kwargs, config, kernel, seconds in compiled:
                 row = {
                     "arch": ARCHS[arch],
                     "case": case.id,
                     "op": case.op,
                     "kernel": name,
+                    "config": config,
                     "meta": _meta(kwargs),
                     "num_warps": kwargs.get("num_warps", 4),
                     "num_stages": kwargs.get("num_stages", 3),
@@ -256,10 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - t0
     errors = [r for r in rows if "error" in r]
     ok = [r for r in rows if "error" not in r]
-    header = ("arch", "kernel", "warps", "regs", "spill B", "smem B", "mma", "compile s")
+    header = ("arch", "case", "kernel", "config", "warps", "regs", "spill B", "smem B", "mma",
+              "compile s")  # fmt: skip
     body = [
-        (r["arch"], r["kernel"], r["num_warps"], r["registers"], r["spill_stores"],
-         r["shared_bytes"], r["mma"], r["compile_s"])
+        (r["arch"], r["case"], r["kernel"], "-" if r["config"] is None else r["config"],
+         r["num_warps"], r["registers"], r["spill_stores"], r["shared_bytes"], r["mma"],
+         r["compile_s"])
         for r in ok
     ]  # fmt: skip
     print(table([header, *body]))

@@ -127,6 +127,8 @@ def test_compile_only_run_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_pa
     assert half and all(r["mma"] != "fma" for r in half), half
     assert all(r["mma"] == "fma" for r in attention if "float32" in r["case"])
     assert all(r["mma"] == "fma" for r in rows if r["op"] == "rms_norm")
+    defaults = [r for r in rows if r["config"] == 0]  # each autotuned launch's first config
+    assert defaults and all(r["spill_stores"] == 0 for r in defaults), defaults
 
 
 @pytest.mark.parametrize(
