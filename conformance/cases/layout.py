@@ -22,7 +22,7 @@ from .indexer import indexer_builder
 # The calls whose tensor arguments the layout family re-lays out, one at a time: small
 # cases of every op (every scheme and format), inside every built-in backend's declared
 # limits where a limit allows a small case (ascend: attention Dk 576, indexer Di 128).
-# Named cases of the families above, by (op, name) ...
+# Named cases of the op families' modules (cases/attention.py ...), by (op, name) ...
 LAYOUT_BASES = (
     ("sparse_attention", "tiny_gqa"),
     ("moe_gate", "grouped"),
