@@ -9,17 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-# Installed under their own names; every other package folder at the root is glmport.<folder>.
-OWN_NAME = {"glmport", "pytest_glmport"}
+from source_tree import REPO, installed_name, package_folders
 
 
 def source_modules(root: Path) -> dict[str, Path]:
     """Every module of the package folders under ``root``, by its installed dotted name."""
     modules = {}
-    for top in sorted(p for p in root.iterdir() if (p / "__init__.py").is_file()):
-        package = top.name if top.name in OWN_NAME else f"glmport.{top.name}"
+    for top in package_folders(root):
+        package = installed_name(top)
         for path in top.rglob("*.py"):
             parts = path.relative_to(top).with_suffix("").parts
             if parts[-1] == "__init__":

@@ -15,11 +15,7 @@ from pathlib import Path
 
 import pytest
 from hang_guard import guard_s
-
-REPO = Path(__file__).resolve().parents[1]
-# Top-level packages installed under their own names; every other package folder at the
-# repository root installs as glmport.<folder>.
-OWN_NAME = {"glmport", "pytest_glmport"}
+from source_tree import OWN_NAME, REPO, installed_name, package_folders
 
 
 def _run(code_or_args, cwd, env=None, module=False):
@@ -72,16 +68,12 @@ def test_python_dash_m_glmport_runs_the_cli(tmp_path):
     assert json.loads(proc.stdout)["selected_backend"] == "generic"
 
 
-def _package_folders() -> list[Path]:
-    return sorted(p for p in REPO.iterdir() if (p / "__init__.py").is_file())
-
-
 def _wheel_paths_of_source_tree() -> set[str]:
     """Where each .py file of the source tree must land in the wheel, from a walk of the
     tree (so a folder that packaging forgets shows up as missing)."""
     paths = set()
-    for top in _package_folders():
-        prefix = top.name if top.name in OWN_NAME else f"glmport/{top.name}"
+    for top in package_folders():
+        prefix = installed_name(top).replace(".", "/")
         paths |= {f"{prefix}/{py.relative_to(top).as_posix()}" for py in top.rglob("*.py")}
     return paths
 
@@ -94,7 +86,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     for item in REPO.iterdir():
         if item.is_file():
             shutil.copy2(item, src)
-    for top in _package_folders():
+    for top in package_folders():
         shutil.copytree(top, src / top.name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run(
