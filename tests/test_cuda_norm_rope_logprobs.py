@@ -68,7 +68,7 @@ def test_rms_norm_non_contiguous_and_mixed_weight(norm_rope, dtype):
 
 
 def test_rms_norm_wide_rows_take_two_passes(norm_rope, monkeypatch):
-    monkeypatch.setattr(norm_rope, "_MAX_ROW_BLOCK", 16)
+    monkeypatch.setattr(norm_rope, "_limits", lambda: (1 << 16, 16, 4096))
     g = gen(2)
     for dtype in DTYPES:
         x = torch.randn(3, 2, 45, generator=g).to(dtype)
@@ -118,7 +118,7 @@ def test_rope_non_contiguous(norm_rope, interleaved):
 
 
 def test_rope_wide_rotary_dims_loop_over_pairs(norm_rope, monkeypatch):
-    monkeypatch.setattr(norm_rope, "_MAX_PAIRS", 4)
+    monkeypatch.setattr(norm_rope, "_limits", lambda: (1 << 16, 1 << 16, 4))
     g = gen(5)
     cos, sin = angles(2, 20, g)
     for dtype in DTYPES:

@@ -2,9 +2,15 @@
 
 A program owns one query token, one kv head and a block of ``BLOCK_H`` of that kv head's
 ``G = H / Hkv`` query heads, so the heads sharing a kv head share one gather of the
-selected slots. It walks the token's index row ``BLOCK_K`` slots at a time: it loads the
+selected slots. Absorbed MLA (``v`` is ``k[..., :Dv]``, GLM-5's 64 heads over one
+576-wide latent) takes the latent path on a GPU: all 64 heads in one program, each
+tile of latent rows gathered once as ``[BLOCK_K, 512]`` for the scores and the values
+alike (plus the 64-wide rope tail), so a query token reads its selected rows once and
+its dots are M = 64 wgmma (sm_90) / tcgen05 (sm_100) tiles.
+
+A program walks the token's index row ``BLOCK_K`` slots at a time: it loads the
 indices, masks the invalid ones (``-1`` and anything outside ``[0, N)``), loads the key
-rows through them ``BLOCK_D`` columns at a time (``Dk = 576``: nine chunks of 64 on a GPU),
+rows through them (``BLOCK_D`` columns at a time outside the latent path),
 scores them with ``[BLOCK_H, BLOCK_D] x [BLOCK_D, BLOCK_K]`` dots, and keeps an online
 softmax (running max and sum, rescaled ``[BLOCK_H, Dv]`` accumulator) in base 2.
 
@@ -25,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import dot_dtype, interpreting, next_pow2, rounded_to, tuned
+from .runtime import dot_dtype, interpreter_plan, next_pow2, rounded_to, sm_count, to_dot, tuned
 
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # read inside kernels
@@ -38,17 +44,19 @@ _MIN_SPLIT = 128
 _INTERPRETER_SMS = 4
 _INTERPRETER_MIN_SPLIT = 512
 
-# Fp32 accumulator elements per program on a GPU: BLOCK_H * BLOCK_DV stays within this
-# (64 heads x 256 or 32 x 512, 128 registers per thread at 8 warps).
+# Fp32 accumulator elements per program on a GPU outside the latent path: BLOCK_H *
+# BLOCK_DV stays within this (64 heads x 256 or 32 x 512: 64 registers a thread at 8 warps).
 _GPU_ACC_ELEMENTS = 16384
 
 
 @tuned(
+    # First (32, 8 warps, 1 stage): the latent path's [64, 512] accumulator needs 8
+    # warps, and a pipelined gather spills it (sm_90). 4 warps suit small head blocks.
     configs=[
         triton.Config({"BLOCK_K": bk, "BLOCK_D": 64}, num_warps=w, num_stages=s)
-        for bk, w, s in ((32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 3))
+        for bk, w, s in ((32, 8, 1), (64, 8, 1), (32, 4, 2), (64, 4, 2))
     ],
-    key=["DK", "DV", "BLOCK_H", "PARTIAL"],
+    key=["DK", "DV", "BLOCK_H", "PARTIAL", "SHARED_V"],
     interpreter={"BLOCK_K": 512, "BLOCK_D": 128},
 )
 @triton.jit
@@ -88,12 +96,19 @@ def _attention_kernel(
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
     PARTIAL: tl.constexpr,
+    SHARED_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Grid ``(T, Hkv * HEAD_BLOCKS, NUM_SPLITS)``: token ``t``, kv head ``c``, query heads
     ``c * G + [hb * BLOCK_H, (hb + 1) * BLOCK_H)`` over slots
     ``[split * SPLIT_LEN, (split + 1) * SPLIT_LEN)`` of the index row.
+
+    ``SHARED_V``: ``v`` is ``k[..., :DV]`` (absorbed MLA): each tile of latent rows is
+    gathered once, ``[BLOCK_K, DV]`` for the scores and the values alike, and the
+    ``BLOCK_R``-wide tail ``[DV, DK)`` for the scores only; else keys ``BLOCK_D``
+    columns at a time and values separately.
 
     ``PARTIAL``: write the unnormalised split (max and sum in base 2 ``[T, H, S]``,
     accumulator ``[T, H, S, DV]``, float32) for the combine; otherwise ``out [T, H, DV]``
@@ -118,6 +133,9 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if SHARED_V:  # the rope tail [DV, DK) of q and k
+        offs_r = DV + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < DK
 
     k_lo = split * SPLIT_LEN
     k_hi = tl.minimum(k_lo + SPLIT_LEN, K)
@@ -128,25 +146,71 @@ def _attention_kernel(
         valid = in_row & (idx >= 0) & (idx < N)  # out of range counts as -1 (FlashMLA)
         slot = tl.where(valid, idx, 0).to(tl.int64)
 
-        s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
-        for d0 in range(0, DK, BLOCK_D):
-            d = d0 + offs_d
-            d_ok = d < DK
-            qc = tl.load(
-                q_rows + d[None, :] * stride_qd,
-                mask=head_ok[:, None] & d_ok[None, :],
+        if SHARED_V:
+            # One gather of the latent rows [BLOCK_K, DV]: the keys' first DV columns
+            # for the scores and the values for the output; the tail only scores.
+            kv = tl.load(
+                k_head + slot[:, None] * stride_kn + offs_v[None, :] * stride_kd,
+                mask=valid[:, None] & v_ok[None, :],
                 other=0.0,
             )
-            kc = tl.load(
-                k_head + slot[None, :] * stride_kn + d[:, None] * stride_kd,
-                mask=d_ok[:, None] & valid[None, :],
+            kr = tl.load(
+                k_head + slot[:, None] * stride_kn + offs_r[None, :] * stride_kd,
+                mask=valid[:, None] & r_ok[None, :],
                 other=0.0,
-            )  # [BLOCK_D, BLOCK_K]: the key rows, gathered and transposed
-            # Inline, not a helper: each jitted call costs ~10 ms under the interpreter.
-            if IEEE:  # float32: exact products, no TF32
-                s = tl.dot(qc.to(DOT_DTYPE), kc.to(DOT_DTYPE), s, input_precision="ieee")
+            )
+            qv = tl.load(
+                q_rows + offs_v[None, :] * stride_qd,
+                mask=head_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )
+            qr = tl.load(
+                q_rows + offs_r[None, :] * stride_qd,
+                mask=head_ok[:, None] & r_ok[None, :],
+                other=0.0,
+            )
+            kv = to_dot(kv, DOT_DTYPE)
+            if IEEE:
+                s = tl.dot(to_dot(qv, DOT_DTYPE), tl.trans(kv), input_precision="ieee")
+                s = tl.dot(
+                    to_dot(qr, DOT_DTYPE),
+                    tl.trans(to_dot(kr, DOT_DTYPE)),
+                    s,
+                    input_precision="ieee",
+                )
             else:
-                s = tl.dot(qc.to(DOT_DTYPE), kc.to(DOT_DTYPE), s)
+                s = tl.dot(to_dot(qv, DOT_DTYPE), tl.trans(kv))
+                s = tl.dot(to_dot(qr, DOT_DTYPE), tl.trans(to_dot(kr, DOT_DTYPE)), s)
+        else:
+            s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
+            for d0 in range(0, DK, BLOCK_D):
+                d = d0 + offs_d
+                d_ok = d < DK
+                qc = tl.load(
+                    q_rows + d[None, :] * stride_qd,
+                    mask=head_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                kc = tl.load(
+                    k_head + slot[None, :] * stride_kn + d[:, None] * stride_kd,
+                    mask=d_ok[:, None] & valid[None, :],
+                    other=0.0,
+                )  # [BLOCK_D, BLOCK_K]: the key rows, gathered and transposed
+                # Inline, not a helper: each jitted call costs ~10 ms under the interpreter.
+                if IEEE:  # float32: exact products, no TF32
+                    s = tl.dot(
+                        to_dot(qc, DOT_DTYPE), to_dot(kc, DOT_DTYPE), s, input_precision="ieee"
+                    )
+                else:
+                    s = tl.dot(to_dot(qc, DOT_DTYPE), to_dot(kc, DOT_DTYPE), s)
+            kv = to_dot(
+                tl.load(
+                    v_head + slot[:, None] * stride_vn + offs_v[None, :] * stride_vd,
+                    mask=valid[:, None] & v_ok[None, :],
+                    other=0.0,
+                ),
+                DOT_DTYPE,
+            )  # [BLOCK_K, BLOCK_DV]
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -156,16 +220,11 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(
-            v_head + slot[:, None] * stride_vn + offs_v[None, :] * stride_vd,
-            mask=valid[:, None] & v_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_DV]
         acc = acc * alpha[:, None]
         if IEEE:
-            acc = tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE), acc, input_precision="ieee")
+            acc = tl.dot(to_dot(p, DOT_DTYPE), kv, acc, input_precision="ieee")
         else:
-            acc = tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE), acc)
+            acc = tl.dot(to_dot(p, DOT_DTYPE), kv, acc)
         m_i = m_new
 
     th = t64 * H + heads  # row of [T, H]
@@ -246,12 +305,36 @@ def _combine_kernel(
         tl.store(lse_ptr + th, lse, mask=h_ok)
 
 
-def _head_block(g: int, dv: int) -> int:
-    """Query heads per program: the whole group under the interpreter (fewest programs);
-    on a GPU at most 64 and few enough that the accumulator fits in registers."""
-    if interpreting():
+def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``v`` is ``k[..., :Dv]`` (absorbed MLA's latent rows): same storage,
+    rows, heads and strides, ``Dv <= Dk``."""
+    return (
+        v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+        and v.shape[:2] == k.shape[:2]
+        and v.shape[2] <= k.shape[2]
+    )
+
+
+def latent_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel gathers each latent row once for keys and values
+    (``SHARED_V``): ``v`` in ``k``, and on a GPU 16-bit (float32 dots are FMA, whose
+    operand tiles would spill; they take the chunked path)."""
+    return values_in_keys(k, v) and (q.dtype != torch.float32 or interpreter_plan())
+
+
+def head_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Query heads per program. Under the interpreter the whole group (fewest programs).
+    On a GPU, for 16-bit absorbed MLA (``v`` in ``k``) up to 64: one gather of each
+    latent row serves all of them, the dots are M = 64 wgmma / tcgen05 tiles and the
+    ``[64, 512]`` float32 accumulator spreads over 8 warps (128 registers a thread);
+    otherwise at most 64 and few enough that the accumulator fits in registers."""
+    g = q.shape[1] // max(k.shape[1], 1)
+    if interpreter_plan():
         return next_pow2(g)
-    return min(next_pow2(g), 64, max(16, _GPU_ACC_ELEMENTS // next_pow2(dv)))
+    if latent_path(q, k, v):
+        return min(next_pow2(g), 64)
+    return min(next_pow2(g), 64, max(16, _GPU_ACC_ELEMENTS // next_pow2(v.shape[2])))
 
 
 def plan_split_len(t: int, hkv: int, head_blocks: int, k: int, device: torch.device) -> int:
@@ -260,10 +343,10 @@ def plan_split_len(t: int, hkv: int, head_blocks: int, k: int, device: torch.dev
     row is cut into at most ``SMs / programs`` splits of at least ``_MIN_SPLIT`` slots,
     each a multiple of ``_MIN_SPLIT`` long. Under the interpreter a stand-in of
     ``_INTERPRETER_SMS`` SMs and ``_INTERPRETER_MIN_SPLIT`` slots."""
-    if interpreting() or device.type != "cuda":
+    if interpreter_plan():
         sms, granule = _INTERPRETER_SMS, _INTERPRETER_MIN_SPLIT
     else:
-        sms, granule = torch.cuda.get_device_properties(device).multi_processor_count, _MIN_SPLIT
+        sms, granule = sm_count(device), _MIN_SPLIT
     programs = t * hkv * head_blocks
     splits = min(triton.cdiv(sms, max(programs, 1)), k // granule)
     if programs >= sms or splits < 2:
@@ -292,7 +375,8 @@ def sparse_attention_split(
     out = torch.empty((t, h, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     g = h // hkv
-    block_h = _head_block(g, dv)
+    shared = latent_path(q, k, v)
+    block_h = head_block(q, k, v)
     head_blocks = triton.cdiv(g, block_h)
     split_len = max(1, min(split_len, kk))
     splits = triton.cdiv(kk, split_len)
@@ -332,6 +416,8 @@ def sparse_attention_split(
         DOT_DTYPE=dot_dtype(q.dtype),
         IEEE=q.dtype == torch.float32,
         PARTIAL=partial,
+        SHARED_V=shared,
+        BLOCK_R=next_pow2(dk - dv) if shared else 16,
     )
     if partial:
         grid = lambda meta: (  # noqa: E731
@@ -373,6 +459,6 @@ def sparse_attention(
         ``lse [T, H]`` float32, natural log (``-inf`` for such a row).
     """
     g = q.shape[1] // max(k.shape[1], 1)
-    head_blocks = math.ceil(g / _head_block(g, v.shape[2])) if g else 0
+    head_blocks = math.ceil(g / head_block(q, k, v)) if g else 0
     split_len = plan_split_len(q.shape[0], k.shape[1], head_blocks, indices.shape[1], q.device)
     return sparse_attention_split(q, k, v, indices, scale, split_len)

@@ -205,8 +205,8 @@ def _gemm_kernel(
         a_ptrs += a_step
         b_ptrs += b_step
         if SCHEME == 0:
-            a = a.to(DOT_DTYPE)
-            b = b.to(DOT_DTYPE)
+            a = runtime.to_dot(a, DOT_DTYPE)
+            b = runtime.to_dot(b, DOT_DTYPE)
             if IEEE:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             else:
@@ -219,8 +219,8 @@ def _gemm_kernel(
                 b = b.to(tl.float8e4nv, bitcast=True)
                 p = tl.dot(a, tl.trans(b))
             else:  # e4m3 values are exact in bf16 (and fp32)
-                a = quant.e4m3_value(a).to(DOT_DTYPE)
-                b = quant.e4m3_value(b).to(DOT_DTYPE)
+                a = runtime.to_dot(quant.e4m3_value(a), DOT_DTYPE)
+                b = runtime.to_dot(quant.e4m3_value(b), DOT_DTYPE)
                 if IEEE:
                     p = tl.dot(a, tl.trans(b), input_precision="ieee")
                 else:
@@ -235,8 +235,8 @@ def _gemm_kernel(
             if W4_DEQUANT:  # the step spans groups: scale each weight column
                 g = tl.minimum((offs_k + k0) // GROUP, last_group)
                 s = tl.load(sb_ptrs[:, None] + g[None, :] * stride_sbk)
-                b = (b.to(tl.float32) * s).to(DOT_DTYPE)
-                a = a.to(DOT_DTYPE)
+                b = runtime.to_dot(b.to(tl.float32) * s, DOT_DTYPE)
+                a = runtime.to_dot(a, DOT_DTYPE)
                 if IEEE:
                     acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
                 else:
@@ -245,9 +245,11 @@ def _gemm_kernel(
                 if SCHEME == 2:
                     p = tl.dot(a, tl.trans(b), out_dtype=tl.int32).to(tl.float32)
                 elif IEEE:
-                    p = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), input_precision="ieee")
+                    a = runtime.to_dot(a, DOT_DTYPE)
+                    b = runtime.to_dot(b, DOT_DTYPE)
+                    p = tl.dot(a, tl.trans(b), input_precision="ieee")
                 else:
-                    p = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)))
+                    p = tl.dot(runtime.to_dot(a, DOT_DTYPE), tl.trans(runtime.to_dot(b, DOT_DTYPE)))
                 s = tl.load(sb_ptrs + (k0 // GROUP).to(tl.int64) * stride_sbk)
                 acc += p * s[None, :]
     if SCHEME == 1:
@@ -262,7 +264,7 @@ def _int4_step(group: int) -> tuple[int, bool]:
     span groups (dequantise in registers). On a GPU the largest power of two that
     divides the group (32..128), so each step's integer sum is exact; under the
     interpreter always 128 (fewer, larger steps are what it is fast at)."""
-    if runtime.interpreting():
+    if runtime.interpreter_plan():
         step = 128
     else:
         step = min(group & -group, 128)  # lowest set bit: a power of two dividing it
@@ -316,7 +318,7 @@ def _gemm(
     if grouped:
         n_entries = triton.cdiv(m, block_m) + e + 2
         table = torch.empty((n_entries, 3), dtype=torch.int32, device=x.device)
-        block_t = 256 if runtime.interpreting() else 16
+        block_t = 256 if runtime.interpreter_plan() else 16
         _schedule_kernel[(triton.cdiv(n_entries, block_t),)](
             offsets,
             table,

@@ -20,13 +20,11 @@ split, so its logit stays NaN and so does its ``logp`` (the meta-mode rule).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .runtime import dot_dtype, interpreting, next_pow2, tuned
+from .runtime import dot_dtype, interpreter_plan, next_pow2, sm_count, to_dot, tuned
 
 # The split heuristic (GPU): enough (token block, split) programs to fill every SM
 # about twice, counting token blocks of _TOKENS_PER_BLOCK, splits of at least
@@ -36,19 +34,13 @@ _MIN_SPLIT = 2048
 _SPLIT_MULTIPLE = 256
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    """The number of SMs of CUDA device ``index``."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def vocab_split(t: int, v: int, device: torch.device) -> int:
     """Vocabulary columns per program (``v >= 1``): all of them under the interpreter
     (fewest programs), on a GPU as many splits as the SMs want."""
-    if interpreting():
+    if interpreter_plan():
         return v
     token_blocks = triton.cdiv(t, _TOKENS_PER_BLOCK)
-    splits = min(triton.cdiv(2 * _sm_count(device.index or 0), token_blocks), v // _MIN_SPLIT)
+    splits = min(triton.cdiv(2 * sm_count(device), token_blocks), v // _MIN_SPLIT)
     split = triton.cdiv(v, max(splits, 1))
     return triton.cdiv(split, _SPLIT_MULTIPLE) * _SPLIT_MULTIPLE
 
@@ -118,12 +110,13 @@ def _vocab_stats_kernel(
                 h_rows + k[None, :] * stride_hd,
                 mask=row_mask[:, None] & k_mask[None, :],
                 other=0.0,
-            ).to(DOT_DTYPE)
+            )
             w = tl.load(
                 w_cols + k[:, None] * stride_wd,
                 mask=k_mask[:, None] & col_mask[None, :],
                 other=0.0,
-            ).to(DOT_DTYPE)
+            )
+            h, w = to_dot(h, DOT_DTYPE), to_dot(w, DOT_DTYPE)
             acc = tl.dot(h, w, acc, input_precision="ieee") if IEEE else tl.dot(h, w, acc)
         z = tl.where(col_mask[None, :], acc / temperature, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))

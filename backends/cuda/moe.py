@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import interpreting, next_pow2, rounded_to, tuned
+from .runtime import interpreter_plan, next_pow2, rounded_to, tuned
 
 # Copies a dispatch chunk scans: on a GPU more chunks put more programs in flight; the
 # interpreter is fastest with one chunk.
@@ -153,7 +153,7 @@ def moe_gate(
     per_group = e // n_group
     block_g = next_pow2(n_group, floor=1)
     block_s = next_pow2(per_group, floor=1)
-    tile = _GATE_INTERPRETER_TILE if interpreting() else _GATE_GPU_TILE
+    tile = _GATE_INTERPRETER_TILE if interpreter_plan() else _GATE_GPU_TILE
     block_t = min(next_pow2(t, floor=1), max(1, tile // (block_g * block_s)))
     bias_arg = bias.contiguous() if bias is not None else logits
     _gate_kernel[(triton.cdiv(t, block_t),)](
@@ -298,7 +298,7 @@ def moe_dispatch(
     if rows == 0:
         return x_sorted, torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device), src_row
     buckets = num_experts + 1
-    chunk = _DISPATCH_CHUNK_INTERPRETED if interpreting() else _DISPATCH_CHUNK
+    chunk = _DISPATCH_CHUNK_INTERPRETED if interpreter_plan() else _DISPATCH_CHUNK
     chunks = triton.cdiv(rows, chunk)
     counts = torch.empty((chunks, buckets), dtype=torch.int32, device=x.device)
 

@@ -20,15 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import interpreting, next_pow2, rounded_to, tuned
+from .runtime import interpreter_plan, next_pow2, rounded_to, tuned
 
-# x elements a program holds: a register budget on a GPU; large under the interpreter,
-# whose time grows with the number of programs, not with their size.
-_TILE = 1 << 16 if interpreting() else 4096
-# The widest row rms_norm keeps whole in registers (and its column chunk beyond that).
-_MAX_ROW_BLOCK = 1 << 16 if interpreting() else 8192
-# Rotary pairs per head a rope program handles at once (more take a loop).
-_MAX_PAIRS = 4096 if interpreting() else 256
+
+def _limits() -> tuple[int, int, int]:
+    """(x elements a program holds, the widest row rms_norm keeps whole in registers
+    (and its column chunk beyond that), rotary pairs per head a rope program handles at
+    once (more take a loop)): a register budget on a GPU; large under the interpreter,
+    whose time grows with the number of programs, not with their size."""
+    return (1 << 16, 1 << 16, 4096) if interpreter_plan() else (4096, 8192, 256)
 
 
 def _view(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -117,8 +117,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     rows = _view(x, (-1, d))
     n_rows = rows.shape[0]
-    block_d = min(next_pow2(d), _MAX_ROW_BLOCK)
-    block_r = min(max(1, _TILE // block_d), next_pow2(n_rows, floor=1))
+    tile, max_row_block, _ = _limits()
+    block_d = min(next_pow2(d), max_row_block)
+    block_r = min(max(1, tile // block_d), next_pow2(n_rows, floor=1))
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         rows,
         weight,
@@ -218,6 +219,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         *cos.stride(),
         *sin.stride(),
         INTERLEAVED=interleaved,
-        BLOCK_HALF=min(next_pow2(half, floor=1), _MAX_PAIRS),
+        BLOCK_HALF=min(next_pow2(half, floor=1), _limits()[2]),
     )
     return out

@@ -249,7 +249,7 @@ def _quantize_kernel(
 def _chunk_elements() -> int:
     """Elements of one chunk: 16K on a GPU (64 float32 a thread at 8 warps; a row of
     up to 16K columns or a 128 x 128 tile in one pass), 64K under the interpreter."""
-    return 1 << 16 if runtime.interpreting() else 1 << 14
+    return 1 << 16 if runtime.interpreter_plan() else 1 << 14
 
 
 def quantize_batched(

@@ -20,19 +20,87 @@ The interpreter's defects the kernels work around (measured, triton 3.9):
   the conversion only ever sees exactly representable values.
 
 Float32 division on a GPU is approximate (``div.full.f32``) unless spelled
-``tl.div_rn``; quantisation, which must match the formats bit for bit, uses it.
+``tl.div_rn``; quantisation, which must match the formats bit for bit, uses it. The
+workarounds are compiled in only under the interpreter (the ``INTERPRETER`` constexpr):
+a GPU's epilogue is a plain conversion.
+
+The GPU's plan under the interpreter: the host heuristics (tile sizes, head blocks,
+decode splits, the dot dtype) and the launch configurations normally take the
+interpreter's branch, large blocks for speed. Inside :func:`gpu_plan` they take the
+GPU's instead (an H200's 132 SMs, the autotune config chosen per kernel, 16-bit dots
+emulated by :func:`to_dot`), so what a GPU would execute runs, interpreted, against
+the float64 reference (tests/test_cuda_gpu_plan.py).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
 from .mode import interpreting  # re-exported: the kernel modules ask here
+
+# Read inside kernels: the interpreter's workarounds exist only where it runs them.
+INTERPRETER: tl.constexpr = tl.constexpr(interpreting())
+H200_SMS = 132
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """What :func:`gpu_plan` makes the host code assume: ``sms`` streaming
+    multiprocessors, and per tuned kernel (by :func:`kernel_name`) the index of the autotune
+    config its launches take (0, the default, when absent)."""
+
+    sms: int = H200_SMS
+    configs: Mapping[str, int] = field(default_factory=dict)
+
+
+_PLAN: ContextVar[GpuPlan | None] = ContextVar("glmport_gpu_plan", default=None)
+# Every tuned kernel by function name: its GPU autotune configs, default first.
+TUNED_CONFIGS: dict[str, tuple[triton.Config, ...]] = {}
+
+
+@contextmanager
+def gpu_plan(sms: int = H200_SMS, configs: Mapping[str, int] | None = None) -> Iterator[GpuPlan]:
+    """Within the block, interpreted launches take the GPU's host branches and configs
+    (``configs``: kernel name -> autotune config index). Only under the interpreter:
+    on a GPU the GPU's plan is what runs anyway."""
+    if not interpreting():
+        raise RuntimeError("gpu_plan runs a GPU's code paths under Triton's interpreter only")
+    chosen = dict(configs or {})
+    for name, index in chosen.items():
+        if name not in TUNED_CONFIGS:
+            raise KeyError(f"gpu_plan: no tuned kernel {name!r} (known: {sorted(TUNED_CONFIGS)})")
+        if not 0 <= index < len(TUNED_CONFIGS[name]):
+            raise IndexError(
+                f"gpu_plan: {name} has {len(TUNED_CONFIGS[name])} configs, not index {index}"
+            )
+    token = _PLAN.set(GpuPlan(sms, chosen))
+    try:
+        yield _PLAN.get()
+    finally:
+        _PLAN.reset(token)
+
+
+def interpreter_plan() -> bool:
+    """Whether host heuristics take the interpreter's branch (fewest, largest
+    programs): under the interpreter, outside :func:`gpu_plan`."""
+    return interpreting() and _PLAN.get() is None
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors the host plans for: the plan's under
+    :func:`gpu_plan`, else CUDA ``device``'s."""
+    plan = _PLAN.get()
+    if plan is not None:
+        return plan.sms
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _patch_languages_once_per_launch() -> None:
@@ -76,20 +144,32 @@ def _patch_languages_once_per_launch() -> None:
 class _FixedLaunch:
     """A jitted kernel launched with one fixed meta-parameter set: the interpreter's
     stand-in for ``triton.autotune`` (which would time every config with CUDA
-    events). ``kernel[grid](*args)`` works as for an autotuned kernel; a callable grid
-    receives the meta-parameters."""
+    events); inside :func:`gpu_plan` the GPU config the plan names. ``kernel[grid](*args)``
+    works as for an autotuned kernel; a callable grid receives the meta-parameters."""
 
-    def __init__(self, fn, config: dict) -> None:
+    def __init__(self, fn, config: dict, gpu_configs: Sequence[triton.Config]) -> None:
         self.fn = fn
         self.config = dict(config)
+        self.gpu_configs = tuple(gpu_configs)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            meta = {**self.config, **kwargs}
+            plan = _PLAN.get()
+            if plan is None:
+                config = self.config
+            else:
+                config = self.gpu_configs[plan.configs.get(kernel_name(self.fn), 0)].kwargs
+            meta = {**config, **kwargs}
             g = grid(meta) if callable(grid) else grid
             return self.fn[g](*args, **meta)
 
         return launch
+
+
+def kernel_name(fn) -> str:
+    """A kernel's name across the backend's modules: ``"attention._combine_kernel"``."""
+    python = getattr(fn, "fn", fn)  # a jitted or interpreted kernel wraps the function
+    return f"{python.__module__.rpartition('.')[2]}.{python.__name__}"
 
 
 def tuned(configs: Sequence[triton.Config], key: Sequence[str], interpreter: dict) -> Callable:
@@ -98,9 +178,10 @@ def tuned(configs: Sequence[triton.Config], key: Sequence[str], interpreter: dic
     meta-parameters (interpreted speed grows with the number of program instances)."""
 
     def wrap(fn):
+        TUNED_CONFIGS[kernel_name(fn)] = tuple(configs)
         if interpreting():
             _patch_languages_once_per_launch()
-            return _FixedLaunch(fn, interpreter)
+            return _FixedLaunch(fn, interpreter, configs)
         return triton.autotune(configs=list(configs), key=list(key))(fn)
 
     return wrap
@@ -110,8 +191,9 @@ def dot_dtype(dtype: torch.dtype):
     """The Triton dtype a kernel feeds ``tl.dot`` for inputs of ``dtype``: the input's
     own 16-bit type on a GPU (tensor cores), float32 under the interpreter (its bf16
     arithmetic is wrong) and for float32 inputs (with ``input_precision="ieee"``: no
-    TF32, the float32 tolerance would not hold)."""
-    if interpreting() or dtype == torch.float32:
+    TF32, the float32 tolerance would not hold). Inside :func:`gpu_plan` the GPU's
+    choice, which :func:`to_dot` emulates."""
+    if interpreter_plan() or dtype == torch.float32:
         return tl.float32
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
@@ -149,9 +231,23 @@ def rounded_to(v, dtype: tl.constexpr):
     """Float32 ``v`` converted to ``dtype`` rounding to nearest, ties to even. For
     bfloat16 the rounding is done on the bits first (add ``0x7FFF`` plus the lowest kept
     bit, clear the low half; in int64, so nothing overflows), leaving a value the
-    interpreter's truncating conversion keeps exactly; NaN stays NaN."""
-    if dtype == tl.bfloat16:
+    interpreter's truncating conversion keeps exactly; NaN stays NaN. On a GPU the
+    conversion itself rounds so."""
+    if INTERPRETER and dtype == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True).to(tl.int64)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         v = tl.where(v != v, v, bits.to(tl.uint32).to(tl.float32, bitcast=True))
     return v.to(dtype)
+
+
+@triton.jit
+def to_dot(x, dtype: tl.constexpr):
+    """``x`` as a ``tl.dot`` operand of dtype ``dtype`` (from :func:`dot_dtype`). The
+    interpreter's 16-bit dots are wrong, so there a 16-bit operand is rounded to
+    ``dtype`` and held in float32: the same values and exact products a GPU's tensor
+    cores multiply, summed in float32 as they do (order aside)."""
+    if INTERPRETER:
+        if dtype == tl.bfloat16 or dtype == tl.float16:
+            return rounded_to(x.to(tl.float32), dtype).to(tl.float32)
+        return x.to(tl.float32)
+    return x.to(dtype)
