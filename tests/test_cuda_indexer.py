@@ -155,3 +155,54 @@ def test_empty(ix, t, n):
     idx, scores = ix.lightning_indexer(q, k, w, start, end, 4, qs, ks)
     assert idx.shape == scores.shape == (t, 4)
     assert (idx == -1).all() and (scores == float("-inf")).all()
+
+
+@pytest.mark.parametrize("split", [7, 300, 1024])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_split_decode_exact(ix, monkeypatch, dtype, split):
+    """The decode path: each query's keys cut into splits of ``split`` keys, every split
+    keeping its own best keys, the splits' lists merged. Ragged, empty and clamped
+    ranges; equal scores in different splits (to the lower slot); topk beyond a split;
+    N < topk."""
+    monkeypatch.setattr(ix, "plan_key_split", lambda t, n, width, device: split)
+    q, k, w, qs, ks = _inputs(7, 4, 24, 40, dtype)
+    start, end = _ranges((0, 18), (0, 19), (20, 33), (20, 40), (7, 7), (-5, 99), (30, 10))
+    _check_exact(ix, q, k, w, start, end, 5, qs, ks)
+    n = 2100
+    q, k, w, qs, ks = _inputs(2, 2, 16, n, dtype, seed=2, k_rows=torch.arange(n) % 700)
+    start, end = _ranges((0, n), (650, n))
+    _check_exact(ix, q, k, w, start, end, 9, qs, ks)
+    _check_exact(ix, q, k, w, start, end, 1500, qs, ks)
+    q, k, w, qs, ks = _inputs(3, 2, 16, 12, dtype, seed=1)
+    start, end = _ranges((0, 12), (4, 9), (12, 12))
+    _check_exact(ix, q, k, w, start, end, 16, qs, ks)
+
+
+def test_split_decode_merges_in_levels_on_the_gpu_plan(ix, cuda_module, monkeypatch):
+    """On a GPU the splits' lists merge ``_MERGE_FAN`` at a time over several levels
+    (here 2 at a time: 24 splits, five levels); a batch-1 decode at 65536 keys runs
+    at least one program per H200 SM (256 splits of 256 keys)."""
+    runtime = cuda_module("runtime")
+    with runtime.gpu_plan():
+        assert 65536 // ix.plan_key_split(1, 65536, 2048, torch.device("cpu")) == 256
+    monkeypatch.setattr(ix, "plan_key_split", lambda t, n, width, device: 90)
+    monkeypatch.setattr(ix, "_MERGE_FAN", 2)
+    n = 2100
+    q, k, w, qs, ks = _inputs(2, 2, 16, n, torch.bfloat16, seed=6, k_rows=torch.arange(n) % 700)
+    start, end = _ranges((0, n), (650, 2000))
+    with runtime.gpu_plan():
+        _check_exact(ix, q, k, w, start, end, 300, qs, ks)
+
+
+def test_wide_topk_splits_in_query_chunks(ix, monkeypatch):
+    """A top-k wider than the widest sort (here 64) always splits, also for many
+    queries (prefill), and queries go in chunks when the splits' lists would exceed
+    the byte budget (here 4 queries a chunk)."""
+    monkeypatch.setattr(ix, "_MAX_SORT", 64)
+    assert ix.plan_key_split(1000, 2100, 300, torch.device("cpu")) == 64
+    assert ix.plan_key_split(1000, 2100, 64, torch.device("cpu")) == 2100  # fused
+    monkeypatch.setattr(ix, "_PART_BYTES", 4 * 33 * 64 * 8)
+    n = 2100
+    q, k, w, qs, ks = _inputs(9, 2, 16, n, torch.float32, seed=7, k_rows=torch.arange(n) % 700)
+    start, end = _ranges(*[(0, n), (650, 2000), (5, 5)] * 3)
+    _check_exact(ix, q, k, w, start, end, 300, qs, ks)

@@ -10,8 +10,12 @@ meet the key tile in one ``[BLOCK_T * BLOCK_H, Di] x [Di, BLOCK_N]`` dot; ReLU, 
 weights and the head reduction are its epilogue, then the range mask and an fp32
 store. A tile outside every range of its query block skips the dot.
 
-``lightning_indexer``: a program per query token, top-k fused, never a ``[T, N]``
-score matrix. Scores become packed int64 sort keys, so one integer sort orders by
+``lightning_indexer``: top-k fused, never a ``[T, N]`` score matrix. Prefill: a program
+per query token. Decode (fewer queries than SMs) and any top-k wider than
+``_MAX_SORT``: each query's key range is split (:func:`plan_key_split`: a batch-1
+decode at 65536 keys runs 256 programs of 256 keys on an H200), every split keeps its
+own best keys as below and writes them, sorted, for :func:`_merge_kernel`, which
+merges ``_MERGE_FAN`` lists a program and level with the same half-cleaner. Scores become packed int64 sort keys, so one integer sort orders by
 score and breaks ties to the lower slot:
 
 - high 32 bits: the fp32 score's bits with the 31 low bits flipped for negatives,
@@ -52,7 +56,8 @@ import triton.language as tl
 
 from glmport.core.formats import FP8_DTYPE
 
-from .runtime import dot_dtype, interpreting, next_pow2, tuned
+from .quant import native_fp8
+from .runtime import dot_dtype, interpreter_plan, next_pow2, sm_count, to_dot, tuned
 
 # The sort key of a slot outside the query's range: below every real key (whose low
 # half, 2**31 - 1 - slot, is positive for any slot below 2**31 - 1).
@@ -61,13 +66,28 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))
 # interpreter larger, for fewer and larger (numpy-bound) steps.
 _MIN_TILE = 256
 _INTERPRETER_MIN_TILE = 1024
+# The decode heuristic: split each query's keys when fewer queries than SMs would run,
+# into splits of at least _MIN_SPLIT_KEYS keys, about two programs per SM; the splits'
+# sorted lists are merged _MERGE_FAN at a time. Under the interpreter: 4 stand-in SMs
+# and longer splits, so that only few-query calls over long key ranges split.
+_MIN_SPLIT_KEYS = 256
+_MERGE_FAN = 8
+# The widest buffer a program sorts (wider top-k: split and merged), and the bytes of
+# the splits' lists one launch may hold (queries in chunks beyond).
+_MAX_SORT = 2048
+_PART_BYTES = 1 << 28
+_INTERPRETER_SMS = 4
+_INTERPRETER_MIN_SPLIT_KEYS = 1024
 
 
-def _dot_dtype(dtype: torch.dtype):
-    """The ``tl.dot`` operand dtype for inputs of ``dtype``; e4m3 values are exact in
-    float16 (what Triton's dot takes on every GPU generation)."""
+def _dot_dtype(dtype: torch.dtype, device: torch.device):
+    """The ``tl.dot`` operand dtype for inputs of ``dtype`` on ``device``: e4m3 itself
+    where the GPU multiplies it natively (sm_89+: e4m3 wgmma / tcgen05 on Hopper and
+    Blackwell), else float16, in which e4m3 values are exact."""
     if dtype == FP8_DTYPE:
-        return tl.float32 if interpreting() else tl.float16
+        if interpreter_plan():
+            return tl.float32
+        return tl.float8e4nv if native_fp8(device) else tl.float16
     return dot_dtype(dtype)
 
 
@@ -94,7 +114,8 @@ def _weighted_relu_dots(
         k_ptr + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
         mask=n_valid[None, :] & d_mask[:, None],
         other=0.0,
-    ).to(q.dtype)
+    )
+    kt = to_dot(kt, q.dtype)
     dots = tl.dot(q, kt, input_precision="ieee") if IEEE else tl.dot(q, kt)
     if FP8:
         ks = tl.load(ks_ptr + offs_n.to(tl.int64) * sks, mask=n_valid, other=0.0)
@@ -186,7 +207,8 @@ def _logits_kernel(
             q_ptr + rt[:, None].to(tl.int64) * sqt + rh[:, None] * sqh + offs_d[None, :] * sqd,
             mask=r_mask[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(DOT)
+        )
+        q = to_dot(q, DOT)
         w = tl.load(w_ptr + rt.to(tl.int64) * swt + rh * swh, mask=r_mask, other=0.0)
         if FP8:
             w = w * tl.load(qs_ptr + rt.to(tl.int64) * sst + rh * ssh, mask=r_mask, other=0.0)
@@ -261,11 +283,14 @@ def _lightning_kernel(
     ks_ptr,
     idx_ptr,
     score_ptr,
+    part_ptr,
     N,
     Hi,
     Di,
     WIDTH,
     OUT_COLS,
+    SPLIT_LEN,
+    NUM_SPLITS,
     sqt,
     sqh,
     sqd,
@@ -282,14 +307,21 @@ def _lightning_kernel(
     FP8: tl.constexpr,
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
+    PARTIAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Query ``t = program_id(0)``: its best ``WIDTH = min(topk, N)`` slots, best first,
-    into columns ``[0, WIDTH)`` of the ``[T, OUT_COLS]`` outputs (-1 / -inf padding)."""
+    """Grid ``(T, NUM_SPLITS)``: query ``t``'s keys ``[start + s * SPLIT_LEN, ...)`` of its
+    range, split ``s``. One split: its best ``WIDTH = min(topk, N)`` slots, best first,
+    into columns ``[0, WIDTH)`` of the ``[T, OUT_COLS]`` outputs (-1 / -inf padding).
+    ``PARTIAL``: the split's best ``TILE`` sort keys, descending, into
+    ``part [T, NUM_SPLITS, TILE]`` int64 for :func:`_merge_kernel`."""
     TILE: tl.constexpr = 1 << LOG_TILE
     CHUNK: tl.constexpr = BLOCK_N if BLOCK_N < TILE else TILE  # keys per dot
     t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     start, end = _clamp_range(tl.load(start_ptr + t), tl.load(end_ptr + t), N)
+    start = tl.minimum(start + split * SPLIT_LEN, end)
+    end = tl.minimum(start + SPLIT_LEN, end)
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < Hi
     offs_d = tl.arange(0, BLOCK_D)
@@ -298,14 +330,16 @@ def _lightning_kernel(
         q_ptr + t * sqt + offs_h[:, None] * sqh + offs_d[None, :] * sqd,
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(DOT)
+    )
+    q = to_dot(q, DOT)
     w = tl.load(w_ptr + t * swt + offs_h * swh, mask=h_mask, other=0.0)
     if FP8:
         w = w * tl.load(qs_ptr + t * sst + offs_h * ssh, mask=h_mask, other=0.0)
     pos = tl.arange(0, TILE)
     chunk_row = tl.arange(0, TILE // CHUNK)[:, None]
     best = tl.full([TILE], _EMPTY, tl.int64)  # sorted descending
-    kth = tl.max(tl.where(pos == WIDTH - 1, best, _EMPTY), axis=0)  # WIDTH-th best key
+    keep = tl.minimum(WIDTH, TILE)  # a split's buffer may be narrower than WIDTH
+    kth = tl.max(tl.where(pos == keep - 1, best, _EMPTY), axis=0)  # the keep-th best key
     for n0 in range(start, end, TILE):
         tile = tl.full([TILE // CHUNK, CHUNK], _EMPTY, tl.int64)
         for c in range(0, TILE // CHUNK):
@@ -322,7 +356,17 @@ def _lightning_kernel(
             # Half-cleaner: best descending, tile ascending -> the larger half, bitonic.
             rising = _bitonic(tl.reshape(tile, [TILE]), LOG_TILE, 1, 0)
             best = _bitonic(tl.maximum(best, rising), LOG_TILE, LOG_TILE, 1)
-            kth = tl.max(tl.where(pos == WIDTH - 1, best, _EMPTY), axis=0)
+            kth = tl.max(tl.where(pos == keep - 1, best, _EMPTY), axis=0)
+    if PARTIAL:
+        tl.store(part_ptr + (t * NUM_SPLITS + split) * TILE + pos, best)
+    else:
+        _store_best(best, pos, t, WIDTH, OUT_COLS, idx_ptr, score_ptr)
+
+
+@triton.jit
+def _store_best(best, pos, t, WIDTH, OUT_COLS, idx_ptr, score_ptr):
+    """Decode the first ``WIDTH`` sort keys of ``best`` to (slot, score) into row ``t``
+    of the ``[T, OUT_COLS]`` outputs; ``_EMPTY`` becomes ``-1`` / ``-inf``."""
     high = (best >> 32).to(tl.int32)
     scores = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     slots = 2147483647 - (best & 0x7FFFFFFF).to(tl.int32)
@@ -333,11 +377,51 @@ def _lightning_kernel(
     tl.store(score_ptr + out, tl.where(found, scores, float("-inf")), mask=keep)
 
 
+@triton.jit
+def _merge_kernel(
+    part_ptr,
+    merged_ptr,
+    idx_ptr,
+    score_ptr,
+    NUM_LISTS,
+    LIST_W,
+    WIDTH,
+    OUT_COLS,
+    LOG_TILE: tl.constexpr,
+    FINAL: tl.constexpr,
+    FAN: tl.constexpr,
+):
+    """Grid ``(T, cdiv(NUM_LISTS, FAN))``: merge lists ``[g * FAN, (g + 1) * FAN)`` of
+    ``part [T, NUM_LISTS, LIST_W]`` (sort keys, each list descending, ``LIST_W <= TILE``)
+    into their best ``TILE``: each list is read reversed (ascending, ``_EMPTY``-padded in
+    front) and joined by the half-cleaner and one bitonic merge. ``FINAL`` (one group):
+    decoded into the outputs as the fused kernel does; else into
+    ``merged [T, cdiv(NUM_LISTS, FAN), TILE]``."""
+    TILE: tl.constexpr = 1 << LOG_TILE
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    pos = tl.arange(0, TILE)
+    back = TILE - 1 - pos  # list entry each position reads, reversed
+    best = tl.full([TILE], _EMPTY, tl.int64)
+    for i in range(0, FAN):
+        s = g * FAN + i
+        if s < NUM_LISTS:
+            rising = tl.load(
+                part_ptr + (t * NUM_LISTS + s) * LIST_W + back, mask=back < LIST_W, other=_EMPTY
+            )
+            best = _bitonic(tl.maximum(best, rising), LOG_TILE, LOG_TILE, 1)
+    if FINAL:
+        _store_best(best, pos, t, WIDTH, OUT_COLS, idx_ptr, score_ptr)
+    else:
+        groups = tl.num_programs(1)
+        tl.store(merged_ptr + (t * groups + g) * TILE + pos, best)
+
+
 def _common_args(q, k, weights, k_start, k_end, q_scale, k_scale) -> tuple:
     """Pointers, strides and constexprs shared by both kernels' launches. ``k_start``
     and ``k_end`` are cheap ``[T]`` vectors, made contiguous (unit stride)."""
     fp8 = q.dtype == FP8_DTYPE
-    dot = _dot_dtype(q.dtype)
+    dot = _dot_dtype(q.dtype, q.device)
     qs = q_scale if fp8 else weights  # never read without FP8
     ks = k_scale if fp8 else weights
     strides = (
@@ -409,15 +493,88 @@ def lightning_indexer(
         scores[:, width:] = float("-inf")
     if t == 0 or width == 0:
         return indices, scores
-    (starts, ends, qs, ks), strides, meta = _common_args(
-        q, k, weights, k_start, k_end, q_scale, k_scale
-    )
-    min_tile = _INTERPRETER_MIN_TILE if interpreting() else _MIN_TILE
-    log_tile = max(next_pow2(width), min(min_tile, next_pow2(n))).bit_length() - 1
-    block_h, block_d, fp8, dot, ieee = meta
-    _lightning_kernel[(t,)](
-        q, k, weights, starts, ends, qs, ks, indices, scores,
-        n, hi, di, width, topk, *strides,
-        block_h, block_d, log_tile, fp8, dot, ieee,
-    )  # fmt: skip
+    split_len = plan_key_split(t, n, width, q.device)
+    if split_len >= n:
+        (starts, ends, qs, ks), strides, meta = _common_args(
+            q, k, weights, k_start, k_end, q_scale, k_scale
+        )
+        _lightning_kernel[(t, 1)](
+            q, k, weights, starts, ends, qs, ks, indices, scores, indices,
+            n, hi, di, width, topk, n, 1, *strides, *meta[:2], _log_tile(width, n), *meta[2:],
+            False,
+        )  # fmt: skip
+        return indices, scores
+    splits = triton.cdiv(n, split_len)
+    log_split = _log_tile(min(width, split_len), split_len)
+    rows = max(1, _PART_BYTES // (splits << log_split) // 8)
+    for r in range(0, t, rows):  # query chunks bound the splits' lists in memory
+        c = slice(r, r + rows)
+        (starts, ends, qs, ks), strides, meta = _common_args(
+            q[c], k, weights[c], k_start[c], k_end[c],
+            None if q_scale is None else q_scale[c], k_scale,
+        )  # fmt: skip
+        part = torch.empty(
+            (starts.shape[0], splits, 1 << log_split), dtype=torch.int64, device=q.device
+        )
+        _lightning_kernel[(starts.shape[0], splits)](
+            q[c], k, weights[c], starts, ends, qs, ks, indices, scores, part,
+            n, hi, di, width, topk, split_len, splits, *strides, *meta[:2], log_split, *meta[2:],
+            True,
+        )  # fmt: skip
+        _merge(part, indices[c], scores[c], width, topk, _log_tile(width, n))
     return indices, scores
+
+
+def _log_tile(width: int, n: int) -> int:
+    """log2 of a top-k buffer for ``width`` keys out of ``n``: ``width`` rounded up to a
+    power of two, at least the minimum tile unless ``n`` is smaller."""
+    min_tile = _INTERPRETER_MIN_TILE if interpreter_plan() else _MIN_TILE
+    return max(next_pow2(width), min(min_tile, next_pow2(n))).bit_length() - 1
+
+
+def plan_key_split(t: int, n: int, width: int, device: torch.device) -> int:
+    """Keys per program along each query's range. ``n`` (one program per query, the
+    fused path) unless ``t`` programs would leave SMs idle (decode): then the range is
+    cut into splits of at least ``_MIN_SPLIT_KEYS`` keys (a multiple of it), about two
+    programs per SM, each keeping its own best keys for :func:`_merge_kernel`. A
+    ``width`` beyond ``_MAX_SORT`` always splits, into at most ``_MAX_SORT`` keys, so
+    that no program sorts a wider buffer (the merges are cheap to compile, a sort
+    network of 8192 is not). Under the interpreter a stand-in of ``_INTERPRETER_SMS``
+    SMs and ``_INTERPRETER_MIN_SPLIT_KEYS``."""
+    if interpreter_plan():
+        sms, granule = _INTERPRETER_SMS, _INTERPRETER_MIN_SPLIT_KEYS
+    else:
+        sms, granule = sm_count(device), _MIN_SPLIT_KEYS
+    splits = min(triton.cdiv(2 * sms, max(t, 1)), n // granule)
+    split = n
+    if t < sms and splits >= 2:
+        split = triton.cdiv(triton.cdiv(n, splits), granule) * granule
+    return min(split, _MAX_SORT) if width > _MAX_SORT else split
+
+
+def _merge(
+    part: torch.Tensor,
+    indices: torch.Tensor,
+    scores: torch.Tensor,
+    width: int,
+    topk: int,
+    log_tile: int,
+) -> None:
+    """Merge the splits' sorted sort keys ``part [T, S, W]`` int64 into the best
+    ``width`` per query: ``_MERGE_FAN`` lists a program and level (all of them in one
+    program under the interpreter), decoded into ``indices`` / ``scores``
+    ``[T, topk]`` by the last level."""
+    t = part.shape[0]
+    while True:
+        lists = part.shape[1]
+        fan = lists if interpreter_plan() else _MERGE_FAN
+        groups = triton.cdiv(lists, fan)
+        final = groups == 1
+        merged = part if final else part.new_empty((t, groups, 1 << log_tile))
+        _merge_kernel[(t, groups)](
+            part, merged, indices, scores, lists, part.shape[2], width, topk,
+            LOG_TILE=log_tile, FINAL=final, FAN=fan,
+        )  # fmt: skip
+        if final:
+            return
+        part = merged

@@ -88,6 +88,8 @@ def indexer_cases() -> Iterator[Case]:
         ("tiny", "tiny", dict(t=6, hi=4, di=32, n=50, topk=8)),
         ("glm5", "glm5", dict(t=4, hi=32, di=128, n=4096, topk=2048)),
         ("glm5_long", "glm5", dict(t=8, hi=32, di=128, n=8192, topk=2048)),
+        # GLM-5's widest top-k (DSA at long context): wider than any one sort of cuda.
+        ("glm5_topk8192", "glm5", dict(t=2, hi=32, di=128, n=9000, topk=8192)),
         ("t1", "edge", dict(t=1, hi=4, di=32, n=20, topk=8)),
         ("n_lt_topk", "edge", dict(t=5, hi=4, di=32, n=12, topk=16)),
         ("empty_range", "edge", dict(t=4, hi=4, di=32, n=30, topk=8, ranges="empty_row")),
