@@ -16,6 +16,10 @@ Sections (GLM-5 shapes; ``--smoke`` shrinks them):
    (fp8 with row-wise scales) on the same shape.
 5. ``ops``: every other op (norm, rope, router, dispatch / combine, quantize, W8A8 /
    W4A8 / W4A16 GEMMs, log-probs) against the generic backend.
+6. ``model``: the byte / FLOP / occupancy model of decode and prefill attention and
+   the indexer at GLM-5's shapes (``cuda_cost.py``: bytes per query against one
+   gather, programs from the backend's own plan for an H200, the roofline, MMA kinds
+   from the compile table) beside the anchors' records; no timing, the same on a CPU.
 
 Every row: median ms with the 20th-80th percentile spread (``triton.testing.do_bench``
 on a GPU), the generic backend's median, the speedup, and the kernel's error against
@@ -49,13 +53,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its helpers
 
 import common
+import cuda_cost
 from common import Glm5Sizes, environment, markdown_table, randn, table
 
 import glmport
 from glmport.conformance.runner import dtype_key
 from glmport.core.tolerance import Tolerance
 
-SECTIONS = ("decode", "prefill", "indexer", "gemm", "ops")
+SECTIONS = ("decode", "prefill", "indexer", "gemm", "ops", "model")
 # Peak HBM bandwidth (TB/s) and dense bf16 / fp8 tensor TFLOPS, by device name.
 PEAKS = {
     "H200": (4.8, 989.0, 1979.0),
@@ -354,7 +359,45 @@ def ops(b: Bench, s: Sizes) -> None:
     )
 
 
-RUNNERS = {"decode": decode, "prefill": prefill, "indexer": indexer, "gemm": gemm, "ops": ops}
+def model(b: Bench, s: Sizes) -> None:
+    """The cost model's rows (GLM-5's shapes whatever ``s``), planned for the device
+    the run is on, or for an H200 under the interpreter."""
+    rows = _planned(b, lambda: cuda_cost.model_rows(b.device))
+    header = ("kernel", "phase", "design", "T", "B/query", "x gather", "programs", "SM fill",
+              "HBM us", "tensor us", "bound TFLOPS", "mma")  # fmt: skip
+    body = [
+        (r["kernel"], r["phase"], r["design"], r["tokens"], f"{r['bytes_per_query']:.3g}",
+         f"{r.get('vs_one_gather', math.nan):.2f}", r["programs"] or "-",
+         f"{r['sm_fill']:.2f}" if "sm_fill" in r else "-", f"{r['hbm_us']:.3g}",
+         f"{r['tensor_us']:.3g}", f"{r['bound_tflops']:.0f}",
+         ", ".join(f"{a} {k}" for a, k in sorted(r.get("mma", {}).items())) or "-")
+        for r in rows
+    ]  # fmt: skip
+    print(table([header, *body]))
+    print("anchors: " + "; ".join(f"{k} {v}" for k, v in cuda_cost.ANCHORS.items()))
+    b.rows += [{"section": "model", "name": f"{r['kernel']} {r['design']} T={r['tokens']}"} | r
+               for r in rows]  # fmt: skip
+
+
+def _planned(b: Bench, fn: Callable[[], list]) -> list:
+    """``fn()`` under the backend's GPU plan for an H200 when the run is interpreted."""
+    if b.device.type == "cuda":
+        return fn()
+    with b.on("cuda"):
+        from glmport.backends.cuda import runtime
+
+        with runtime.gpu_plan():
+            return fn()
+
+
+RUNNERS = {
+    "decode": decode,
+    "prefill": prefill,
+    "indexer": indexer,
+    "gemm": gemm,
+    "ops": ops,
+    "model": model,
+}
 
 
 def floors(b: Bench) -> list[dict]:
@@ -423,7 +466,7 @@ def render(b: Bench, judged: list[dict], markdown: bool) -> str:
                     f"{r['error_vs_generic']:.1e}",
                 )
             )
-        else:
+        elif "baseline_ms" in r:  # the model's rows are printed by their section
             rows.append(
                 (
                     r["section"],

@@ -24,7 +24,15 @@ def test_smoke_run_covers_every_section_and_agrees_with_generic(tmp_path):
     data = run_bench_json("cuda_backend.py", out, "--smoke", idle_s=150)
     assert data["smoke"] is True and data["floors"] == []  # timings mean nothing here
     rows = data["rows"]
-    assert {r["section"] for r in rows} == {"decode", "prefill", "indexer", "gemm", "ops"}
+    assert {r["section"] for r in rows} == {"decode", "prefill", "indexer", "gemm", "ops", "model"}
+    # The cost model plans for an H200 under the interpreter: the latent path reads a
+    # query's selected rows once (target: within 1.2x of one gather), and a batch-1
+    # decode splits its 2048 slots into 16 programs; the previous design read ~3.8x.
+    model = {(r["design"], r["tokens"]): r for r in rows if r["section"] == "model"}
+    latent = model[("latent path (one gather)", 1)]
+    assert latent["vs_one_gather"] <= 1.2 and latent["programs"] == 16
+    assert latent["plan"] == {"head_block": 64, "head_blocks": 1, "splits": 16}
+    assert model[("previous (2 x 32 heads, K and V)", 1)]["vs_one_gather"] > 3.5
     ours = [r for r in rows if "cuda_ms" in r]
     assert len(ours) == 16 and all(r["error_vs_generic"] < 5e-2 for r in ours), ours
     assert any(r["name"].startswith("torch.matmul bf16") for r in rows)
