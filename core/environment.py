@@ -226,8 +226,9 @@ VARIABLES: dict[str, Variable] = {
             "full",
             _validate_mode,
             "full (default) also checks index and key ranges, scales and per-query "
-            "tensors; strict adds whole-cache scans (finite keys, float32 overflow "
-            "bounds); meta checks shapes, dtypes and devices only",
+            "tensors (device-side asserts off the CPU); strict adds whole-cache scans "
+            "(finite keys, float32 overflow bounds) and reads every check on the host; "
+            "meta checks shapes, dtypes and devices only",
         ),
         Variable(
             "GLMPORT_TILE_MB",

@@ -10,7 +10,8 @@ parsed and checked by :mod:`.environment`, which lists what each variable accept
 ``GLMPORT_OPS``       per-op overrides, ``op=backend,op=backend``
 ``GLMPORT_SHADOW``    a backend to shadow-check live calls against (the reference)
 ``GLMPORT_SHADOW_CALLS``  how many calls per op the shadow checks (default 8)
-``GLMPORT_VALIDATE``  full (default) | meta: skip checks that read tensor values
+``GLMPORT_VALIDATE``  full (default) | strict: read every check on the host, scan caches |
+                      meta: skip checks that read tensor values
 ``GLMPORT_TILE_MB``   the generic backend's tile budget (read and checked there)
 
 A ``use_backend`` block lives in a context variable: it follows work into
@@ -171,6 +172,7 @@ def use_backend(
     emulate: bool | None = None,
     device: str | torch.device | None = None,
     shadow: str | None = None,
+    validate: str | None = None,
     source: str | None = None,
 ) -> Iterator[Settings]:
     """Run a block of code with another backend (or per-op overrides) selected.
@@ -180,6 +182,9 @@ def use_backend(
 
         with glmport.use_backend("generic", ops={"sparse_attention": "cpu"}):
             out, lse = glmport.ops.sparse_attention(q, k, v, idx, scale)
+
+    ``validate`` (``"meta"``, ``"full"`` or ``"strict"``) overrides ``GLMPORT_VALIDATE``
+    inside the block.
 
     The selection is checked on entry: an unknown or unavailable backend raises here,
     naming ``source`` as where ``name`` came from (default ``use_backend('<name>')``; a
@@ -198,6 +203,8 @@ def use_backend(
         layer.append(("device", _parse_device(str(device), "use_backend(device=...)")))
     if shadow is not None:
         layer.append(("shadow", shadow or None))
+    if validate is not None:
+        layer.append(("validate", _parse_level(validate)))
     token = _overrides.set((*_overrides.get(), tuple(layer)))
     try:
         settings = current_settings()
@@ -207,6 +214,16 @@ def use_backend(
         yield settings
     finally:
         _overrides.reset(token)
+
+
+def _parse_level(raw: object) -> Level:
+    levels = [level.name.lower() for level in Level]
+    if not isinstance(raw, str) or raw.lower() not in levels:
+        raise ConfigError(
+            f"use_backend(validate={raw!r}) is not a validation level; valid levels: "
+            f"{', '.join(levels)}"
+        )
+    return Level[raw.upper()]
 
 
 def _require_available(name: str, settings: Settings, source: str) -> None:

@@ -4,19 +4,30 @@ Checks come in three levels (:class:`Level`, chosen by ``GLMPORT_VALIDATE``). Me
 checks (ranks, shapes, dtypes, devices, scalar arguments) run everywhere, fake tensors
 included. Value checks (``full``, the default) read what a kernel could misuse or what
 is as small as the call's queries: index and key ranges, scales, per-query tensors;
-they run only on real tensors and ``GLMPORT_VALIDATE=meta`` turns them off where the
-device sync they cost matters. Whole-tensor scans of caches (finiteness of every key,
-float32 overflow bounds from a cache's max magnitude) cost as much as the op at decode
-shapes, so only ``GLMPORT_VALIDATE=strict`` runs them.
+they run only on real tensors and ``GLMPORT_VALIDATE=meta`` turns them off. Whole-tensor
+scans of caches (finiteness of every key, float32 overflow bounds from a cache's max
+magnitude) cost as much as the op at decode shapes, so only ``GLMPORT_VALIDATE=strict``
+runs them.
+
+No value check of ``full`` makes the host wait for a device: each forms its verdict as
+a 0-d bool tensor on the inputs' device and hands it to :func:`holds`, which queues it
+as a device-side assert (``torch._assert_async``). On the CPU the assert runs at once,
+and a failed one is read back (free there) into the same :class:`OpInputError` naming
+the argument, the expectation and the culprit; on an accelerator a failed check stops
+the device with its own device-assert error at the next synchronisation, and
+``GLMPORT_VALIDATE=strict``, which reads every verdict on the host, names it. So a
+decode step can run without host synchronisation, or be captured in a device graph.
 
 Float32 overflow on finite inputs is refused before the kernel by bounds from the max
 magnitudes of the inputs (``within_range``; ``finite`` returns the magnitude it read,
 so a bound costs no second scan): at ``full`` from the inputs it scans, at ``strict``
 from all. A bound that needs a cache or a weight is therefore strict-only; at ``full``
-the op's outputs are checked instead (:func:`first_overflow`, one sync), and only a
-call whose outputs show an overflow pays for the strict checks, which then refuse it
-with their own message; a float16 / bfloat16 output runs the same bounds against its
-own dtype's range (see ``OpSpec.validate_result``).
+the op's outputs are checked instead (:func:`first_overflow`), and only a call whose
+outputs show an overflow pays for the strict checks, which then refuse it with their
+own message; a float16 / bfloat16 output runs the same bounds against its own dtype's
+range (see ``OpSpec.validate_result``). That output check reads the outputs: at
+``full`` it runs on the CPU only (free there), on an accelerator under ``strict`` (a
+device assert would turn a NaN the contract propagates into a dead device).
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ class Level(IntEnum):
 
     META = 0  # metadata only: shapes, dtypes, devices, scalars
     FULL = 1  # plus indices, ranges, scales and per-query tensors (the default)
-    STRICT = 2  # plus whole-cache scans: finiteness, float32 overflow bounds
+    STRICT = 2  # plus whole-cache scans (finiteness, float32 overflow bounds), host reads
 
 
 def describe(t: object) -> str:
@@ -68,11 +79,48 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
     return " | ".join(_dtype_name(d) for d in dtypes)
 
 
+# A largest magnitude a value check read: a Python float where the checks read values
+# on the host (``strict``), else a 0-d float64 tensor on the inputs' device.
+Magnitude = float | torch.Tensor
+
+
+def holds(ok: torch.Tensor, message: str, *, reads: bool = False) -> bool:
+    """Whether the 0-d bool ``ok`` (a check's verdict) is true, found without making the
+    host wait for a device unless ``reads``.
+
+    ``reads``: read ``ok`` on the host (``GLMPORT_VALIDATE=strict``; a sync on an
+    accelerator). Else ``torch._assert_async(ok, message)``: on an accelerator the check
+    is queued and True comes back (a false verdict stops the device at its next
+    synchronisation with its device-assert error, which carries ``message`` where the
+    backend reports one); on the CPU it runs at once and a false verdict comes back as
+    False, so the caller reads the values (free there) and raises its own error naming
+    the culprit. A device whose backend has no ``_assert_async`` kernel gets its
+    verdict read on the host.
+    """
+    if reads:
+        return bool(ok)
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:  # failed at once (the CPU), or no kernel here (a NotImplementedError)
+        return bool(ok)
+    return True
+
+
+def at_least(value: Magnitude, floor: float) -> Magnitude:
+    """``max(value, floor)`` of a magnitude, on the device for a tensor (NaN stays NaN)."""
+    return value.clamp_min(floor) if isinstance(value, torch.Tensor) else max(value, floor)
+
+
 class Checker:
     """Check helpers bound to one op, so every message names the op."""
 
     def __init__(
-        self, op: str, *, metadata: bool = True, range_dtype: torch.dtype = torch.float32
+        self,
+        op: str,
+        *,
+        metadata: bool = True,
+        range_dtype: torch.dtype = torch.float32,
+        reads: bool = False,
     ) -> None:
         self.op = op
         # False: this call's signature passed the metadata checks before, so they
@@ -80,6 +128,10 @@ class Checker:
         self.metadata = metadata
         # The dtype whose range the overflow bounds (within_range) are held to.
         self.range_dtype = range_dtype
+        # True (strict): value checks read their verdicts and magnitudes on the host.
+        # False (full): verdicts become device-side asserts (see holds) and magnitudes
+        # stay 0-d tensors on the device.
+        self.reads = reads
 
     def fail(self, arg: str, expected: str, got: str, hint: str = "") -> None:
         raise OpInputError(self.op, arg, expected, got, hint)
@@ -203,69 +255,122 @@ class Checker:
             self.fail(arg, f"one of {', '.join(repr(c) for c in choices)}", describe(value))
 
     # -- value checks: real tensors only --------------------------------------------
+    # Each forms its verdict on the tensors' device and passes it to holds(); values
+    # are read on the host only under ``reads`` or to name the culprit of a failed
+    # check on the CPU.
+
+    def holds(self, ok: torch.Tensor, arg: str, expected: str) -> bool:
+        """Whether the verdict ``ok`` (0-d bool) of the check "``arg`` must be
+        ``expected``" is true: see the module function :func:`holds`."""
+        message = f"glmport.ops.{self.op}: argument '{arg}' must be {expected}"
+        return holds(ok, message, reads=self.reads)
+
+    def require(self, ok: torch.Tensor, arg: str, expected: str, got: Callable[[], str]) -> None:
+        """Fail on ``arg`` unless the verdict ``ok`` holds; ``got()`` reads the values
+        that name the culprit, only once the check has failed on the host."""
+        if not self.holds(ok, arg, expected):
+            self.fail(arg, expected, got())
+
+    def _magnitude(self, t: torch.Tensor) -> Magnitude:
+        """``t`` (0-d) as a magnitude: read on the host under ``reads``, else float64."""
+        return float(t) if self.reads else t.double()
 
     def in_range(self, arg: str, t: torch.Tensor, low: int, high: int) -> None:
         """Every element of integer tensor ``t`` lies in ``[low, high)``."""
         if t.numel() == 0:
             return
-        lo, hi = (int(v) for v in torch.aminmax(t))
-        if lo < low or hi >= high:
-            bad = lo if lo < low else hi
-            self.fail(arg, f"values in [{low}, {high})", f"a value {bad}")
+        # int64: an int32 tensor compared with a bound past int32 would wrap it.
+        lo, hi = (v.long() for v in torch.aminmax(t))
+        self.require(
+            (lo >= low) & (hi < high),
+            arg,
+            f"values in [{low}, {high})",
+            lambda: f"a value {int(lo) if int(lo) < low else int(hi)}",
+        )
 
-    def finite_positive(self, arg: str, t: torch.Tensor) -> float:
+    def finite_positive(self, arg: str, t: torch.Tensor) -> Magnitude:
         """Every element of ``t`` is finite and ``> 0``; returns ``max t`` (0 if empty)."""
         if t.numel() == 0:
             return 0.0
-        lo, hi = (float(v) for v in torch.aminmax(t))  # NaN propagates into both
-        if not (math.isfinite(lo) and math.isfinite(hi) and lo > 0):
-            bad = lo if not (math.isfinite(lo) and lo > 0) else hi
-            self.fail(arg, "finite and > 0 everywhere (scales)", f"a value {bad}")
-        return hi
+        lo, hi = torch.aminmax(t)  # NaN propagates into both
 
-    def within_range(self, arg: str, bound: float, what: str, need: str = "small") -> None:
+        def culprit() -> str:
+            low, high = float(lo), float(hi)
+            return f"a value {low if not (math.isfinite(low) and low > 0) else high}"
+
+        ok = torch.isfinite(lo) & torch.isfinite(hi) & (lo > 0)
+        self.require(ok, arg, "finite and > 0 everywhere (scales)", culprit)
+        return self._magnitude(hi)
+
+    def within_range(self, arg: str, bound: Magnitude, what: str, need: str = "small") -> None:
         """Fail on ``arg`` when ``bound`` (an upper bound of ``what``, from the inputs'
         max magnitudes) exceeds the range of ``range_dtype`` (float32: kernels compute
         ``what`` in float32, where it would overflow to inf and give NaN or zeros; a
         narrower output dtype, after the kernel: see ``OpSpec.validate_result``). A NaN
         bound (NaN input) passes: NaN inputs propagate."""
         limit = torch.finfo(self.range_dtype).max
-        if bound > limit:
-            self.fail(
+        expected = (
+            f"{need} enough to keep {what} within {_dtype_name(self.range_dtype)} "
+            f"range (<= {limit:.3g})"
+        )
+        if isinstance(bound, torch.Tensor):
+            self.require(
+                ~(bound > limit),
                 arg,
-                f"{need} enough to keep {what} within {_dtype_name(self.range_dtype)} "
-                f"range (<= {limit:.3g})",
-                f"inputs that bound it by {bound:.3g}",
+                expected,
+                lambda: f"inputs that bound it by {float(bound):.3g}",
             )
+        elif bound > limit:
+            self.fail(arg, expected, f"inputs that bound it by {bound:.3g}")
 
-    def finite(self, arg: str, t: torch.Tensor) -> float:
+    def finite(self, arg: str, t: torch.Tensor) -> Magnitude:
         """Every element of ``t`` is finite; returns ``max |t|`` (0 if empty), so that
         an overflow bound reuses this scan."""
         if t.numel() == 0:
             return 0.0
         # One min/max pass: far cheaper than isfinite(t).all(), and NaN propagates.
-        lo, hi = (float(v) for v in torch.aminmax(_scannable(t)))
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            self.fail(arg, "finite everywhere (no NaN or inf)", "a non-finite value")
-        return max(-lo, hi)
+        lo, hi = torch.aminmax(_scannable(t))
+        ok = torch.isfinite(lo) & torch.isfinite(hi)
+        self.require(ok, arg, "finite everywhere (no NaN or inf)", lambda: "a non-finite value")
+        return self._magnitude(torch.maximum(-lo, hi))
+
+    def magnitude(self, t: torch.Tensor) -> Magnitude:
+        """``max |t|`` (0 for an empty tensor; NaN if ``t`` holds one), with no check."""
+        if t.numel() == 0:
+            return 0.0
+        lo, hi = torch.aminmax(_scannable(t))  # no |t| copy of a large tensor
+        return self._magnitude(torch.maximum(-lo, hi))
 
 
 def first_overflow(
-    outputs: Sequence[tuple[str, torch.Tensor, object]],
+    op: str, outputs: Sequence[tuple[str, torch.Tensor, object]], *, reads: bool = False
 ) -> tuple[str, torch.Tensor] | None:
     """The first ``(name, output)`` of ``(name, output, neg_inf)`` that holds NaN,
     ``+inf``, or not exactly ``neg_inf`` entries of ``-inf`` (the count its contract
-    puts there: an int or a 0-d tensor); None when every one is clean. One device sync
-    for all of them. An overflow inside a kernel shows in its outputs that way."""
+    puts there: an int or a 0-d tensor); None when every one is clean. One verdict for
+    all of them, read on the host under ``reads``, else judged on the CPU only (None
+    off it: see the module docstring). An overflow inside a kernel shows in its
+    outputs that way."""
     present = [(name, out, neg_inf) for name, out, neg_inf in outputs if out.numel()]
-    if not present:
+    if not present or not (reads or present[0][1].device.type == "cpu"):
+        # Off the CPU a verdict would need a host read, or be a device assert that a NaN
+        # the caller's inputs carry (and the contract propagates) would turn into a dead
+        # device: the diagnosis runs under strict there.
         return None
     flags = []
     for _, out, neg_inf in present:
         top = out.amax()  # NaN if any element is NaN
         minus_inf = (out == float("-inf")).sum()
         flags.append(torch.isnan(top) | (top == float("inf")) | (minus_inf != neg_inf))
-    for (name, out, _), bad in zip(present, torch.stack(flags).tolist(), strict=True):
+    flags = torch.stack(flags)
+    names = ", ".join(f"'{name}'" for name, _, _ in present)
+    message = (
+        f"glmport.ops.{op}: outputs {names} must hold no NaN, +inf or -inf beyond the "
+        "contract's (a float32 overflow); GLMPORT_VALIDATE=strict names the input to blame"
+    )
+    if holds(~flags.any(), message, reads=reads):
+        return None
+    for (name, out, _), bad in zip(present, flags.tolist(), strict=True):
         if bad:
             return name, out
     return None
@@ -334,14 +439,6 @@ def _bytes(n: int) -> str:
     """``n`` bytes for a message, in the largest binary unit below it: ``'3.5 GiB'``."""
     exp = min(max(n.bit_length() - 1, 0) // 10, len(_UNITS) - 1)
     return f"{n} bytes" if exp == 0 else f"{n / 1024**exp:.3g} {_UNITS[exp]}"
-
-
-def abs_max(t: torch.Tensor) -> float:
-    """``max |t|`` as a Python float (0 for an empty tensor); NaN if ``t`` holds one."""
-    if t.numel() == 0:
-        return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(_scannable(t)))  # no |t| copy of a large tensor
-    return max(-lo, hi)
 
 
 def _shape_text(shape: Sequence[object] | None) -> str:

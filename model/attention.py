@@ -14,10 +14,11 @@ from torch import nn
 
 import glmport.ops as ops
 from glmport.core.errors import ConfigError
+from glmport.core.validate import holds
 
 from .blocks import RMSNorm
 from .config import GlmMoeDsaConfig
-from .packing import Packed, visible_slots
+from .packing import Packed, Widths, visible_slots
 from .rope import softmax_scale
 from .tape_protocol import INDICES, active_tape
 
@@ -61,34 +62,43 @@ class Indexer(nn.Module):
         scale = (c.index_n_heads * c.index_head_dim) ** -0.5
         return q, self.weights_proj(h).float() * scale
 
-    def select(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
-        """``[T, index_topk]`` int32 slot ids of ``keys`` (``-1`` where fewer are visible).
+    def select(
+        self,
+        h: torch.Tensor,
+        q_res: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        k_start: torch.Tensor,
+        k_end: torch.Tensor,
+        widths: Widths,
+    ) -> torch.Tensor:
+        """``[T, index_topk]`` int32 slot ids of ``keys [N, index_head_dim]`` (``-1``
+        where fewer are visible), for queries ``h [T, hidden]`` with ranges ``k_start``
+        / ``k_end [T]`` int32, whose widths ``widths`` gives on the host.
 
         A query that sees at most ``index_topk`` keys would have them all selected, so
         the indexer runs only for the queries that see more (none for short
         sequences, GLM-5's RL samples among them; the first ``index_topk`` tokens of
-        every prompt); the others get their visible keys in slot order. Each
-        sequence's keys are a contiguous run from ``k_start``, so a slot less
-        ``k_start`` is the key's position in its sequence: what a
+        every prompt); the others get their visible keys in slot order. Which case
+        holds is decided from ``widths``, never from a device read. Each sequence's
+        keys are a contiguous run from ``k_start``, so a slot less ``k_start`` is the
+        key's position in its sequence: what a
         :func:`~glmport.model.choices.choice_tape` records and replays."""
         c = self.config
         tape = active_tape()
+        t, wide = k_start.shape[0], widths.wider_than(c.index_topk)
         if tape is not None and tape.replays(INDICES, self):
             indices = _replayed_slots(tape.replayed(INDICES, self), k_start, k_end)
+        elif t and wide == t:
+            indices = self._run(h, q_res, cos, sin, keys, k_start, k_end)
         else:
-            wide = (k_end - k_start) > c.index_topk
-            if k_start.numel() and bool(wide.all()):
-                indices = self._run(h, q_res, cos, sin, keys, k_start, k_end)
-            else:
-                narrow = ~wide
-                visible = visible_slots(k_start[narrow], k_end[narrow])
-                indices = torch.full(
-                    (k_start.shape[0], c.index_topk), -1, dtype=torch.int32, device=h.device
-                )
-                indices[narrow, : visible.shape[1]] = visible
-                if bool(wide.any()):
-                    hw, qw, cw, sw, ks, ke = (x[wide] for x in (h, q_res, cos, sin, k_start, k_end))
-                    indices[wide] = self._run(hw, qw, cw, sw, keys, ks, ke)
+            indices = visible_slots(k_start, k_end, c.index_topk)
+            if wide:  # the host knows how many: no sync to find them
+                mask = (k_end - k_start) > c.index_topk
+                rows = torch.nonzero_static(mask, size=wide).squeeze(1)
+                hw, qw, cw, sw, ks, ke = (x[rows] for x in (h, q_res, cos, sin, k_start, k_end))
+                indices[rows] = self._run(hw, qw, cw, sw, keys, ks, ke)
         if tape is not None and tape.tracks(INDICES, self):
             tape.record(INDICES, self, torch.where(indices >= 0, indices - k_start[:, None], -1))
         return indices
@@ -107,10 +117,13 @@ def _replayed_slots(
     positions: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
 ) -> torch.Tensor:
     """Replayed key ``positions [T, K]`` (``-1``: none) as slots of the packed keys,
-    refusing a position the query cannot see (a record of another prompt)."""
+    refusing a position the query cannot see (a record of another prompt): a device-side
+    assert, read back into a ConfigError naming the row on the CPU (see
+    :func:`~glmport.core.validate.holds`)."""
     visible = (k_end - k_start).long()[:, None]
     bad_rows = ((positions < -1) | (positions >= visible)).any(dim=1)
-    if bool(bad_rows.any()):
+    message = "replayed indexer positions must be keys each query sees (a record of these tokens)"
+    if not holds(~bad_rows.any(), message):
         row = int(bad_rows.nonzero()[0, 0])
         raise ConfigError(
             f"replayed indexer positions {positions[row].tolist()} for a query that sees "
@@ -256,7 +269,7 @@ class Attention(nn.Module):
         records = None if recording is None else recording.records.get(self)
         dense = records is not None and recording.dense
         if dense:
-            indices = visible_slots(batch.k_start, batch.k_end)
+            indices = visible_slots(batch.k_start, batch.k_end, batch.widths.widest)
         elif self.indexer is None:
             if shared is None:
                 raise ConfigError(
@@ -266,9 +279,10 @@ class Attention(nn.Module):
             indices = shared
         else:
             keys = self.indexer.keys(h, cos, sin)
-            indices = self.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
-        widest = int((batch.k_end - batch.k_start).max()) if h.shape[0] else 0
-        if not dense and widest > ABSORB_BEYOND * c.index_topk:
+            indices = self.indexer.select(
+                h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end, batch.widths
+            )
+        if not dense and batch.widths.widest > ABSORB_BEYOND * c.index_topk:
             out, q, lse = self._absorbed(p, p.latent, indices)
             k = p.latent[:, None, :].expand(-1, c.num_attention_heads, -1)
         else:

@@ -12,6 +12,7 @@ from torch import nn
 import glmport.ops as ops
 from glmport.core.errors import ConfigError
 from glmport.core.prepared import PreparedWeight
+from glmport.core.validate import holds
 
 from .config import GlmMoeDsaConfig
 from .tape_protocol import ROUTING, active_tape
@@ -61,10 +62,7 @@ class Router(nn.Module):
         tape = active_tape()
         if tape is not None and tape.replays(ROUTING, self):
             ids = tape.replayed(ROUTING, self)
-            if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < c.n_routed_experts):
-                raise ConfigError(
-                    f"replayed routing holds expert ids outside [0, {c.n_routed_experts})"
-                )
+            _check_replayed_ids(ids, c.n_routed_experts)
             weights, ids = self.weights_for(logits, ids), ids.to(torch.int32)
         else:
             weights, ids = ops.moe_gate(
@@ -91,6 +89,15 @@ class Router(nn.Module):
         if c.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * c.routed_scaling_factor
+
+
+def _check_replayed_ids(ids: torch.Tensor, experts: int) -> None:
+    """Refuse replayed expert ``ids [T, k]`` outside ``[0, experts)`` (a record of another
+    model): a device-side assert, no sync per layer (see
+    :func:`~glmport.core.validate.holds`); a ConfigError at once on the CPU."""
+    outside = f"replayed routing holds expert ids outside [0, {experts})"
+    if ids.numel() and not holds((ids.min() >= 0) & (ids.max() < experts), outside):
+        raise ConfigError(outside)
 
 
 def packed_weight(module: nn.Module, name: str) -> torch.Tensor | PreparedWeight:

@@ -17,7 +17,7 @@ attends over everything each sequence has cached. Rolling a sequence back
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from glmport.core.errors import ConfigError, GlmportError, check_int
+from glmport.core.validate import describe, holds
 
 from .config import GlmMoeDsaConfig
 from .modeling import DecoderLayer
+from .packing import Widths
 from .tape_protocol import active_tape
 
 if TYPE_CHECKING:
@@ -253,21 +255,25 @@ class StepOutput:
 
     def last(self, x: torch.Tensor) -> torch.Tensor:
         """Each sequence's last row ``[B, ...]`` of a ``[T, ...]`` tensor."""
-        return x[torch.tensor(self.counts, device=x.device).cumsum(0) - 1]
+        return x[_to(torch.tensor(self.counts).cumsum(0) - 1, x.device)]
 
 
 @dataclass
-class _Plan:
-    """Where a step's ``T`` new tokens go and what each may see.
+class StepPlan:
+    """The host side of one cached step (:func:`plan_step`): where its ``T`` new tokens
+    go and what each may see, laid out from the cache's own bookkeeping. Tensors are on
+    the model's device; the ints are the host's, so running the step reads nothing
+    back from the device.
 
-    ``new_slots [T]``: physical slots written. The packed keys are every cached token of
-    every sequence (``num_keys``), sequence after sequence in logical order: when their
-    slots are one run of consecutive physical slots (a lone sequence in a fresh cache)
-    ``key_base`` is its first slot and the packed keys are a view of the cache; else
-    ``key_slots [num_keys]`` lists the slots to gather. ``k_start / k_end [T]``
-    int32: each query's causal range in that packed order. ``last [B]``: each
-    sequence's last new token in ``T``. ``seq_ids`` / ``positions [T]`` int64: each new
-    token's sequence id and position.
+    ``new_slots [T]`` int64: physical slots written. The packed keys are every cached
+    token of every sequence (``num_keys``), sequence after sequence in logical order:
+    when their slots are one run of consecutive physical slots (a lone sequence in a
+    fresh cache) ``key_base`` is its first slot and the packed keys are a view of the
+    cache; else ``key_slots [num_keys]`` int64 lists the slots to gather. ``k_start /
+    k_end [T]`` int32: each query's causal range in that packed order, ``widths`` their
+    widths. ``last [B]`` int64: each sequence's last new token in ``T``. ``seq_ids`` /
+    ``positions [T]`` int64: each new token's sequence id and position. ``cos / sin
+    [T, qk_rope_head_dim / 2]`` fp32: the rotary tables at those positions.
     """
 
     new_slots: torch.Tensor
@@ -278,6 +284,7 @@ class _Plan:
     key_slots: torch.Tensor | None
     k_start: torch.Tensor
     k_end: torch.Tensor
+    widths: Widths
     last: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -295,16 +302,33 @@ class _Plan:
         return torch.where(picked >= 0, self.key_slots[picked.long().clamp_min(0)], -1)
 
 
-def _plan(
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built tensor on ``device``, copied without making the host wait for the
+    device's queue (a blocking copy would: a synchronisation per step)."""
+    return t.to(device, non_blocking=True)
+
+
+def plan_step(
+    model: GlmMoeDsaForCausalLM,
     cache: PagedKVCache,
     seqs: Sequence[int],
-    counts: list[int],
-    rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-) -> _Plan:
-    """Allocate slots for ``counts`` new tokens of each of ``seqs`` and lay out the step."""
-    if not seqs or any(n < 1 for n in counts):
-        raise ConfigError(f"a cached step needs >= 1 new token per sequence, got {counts}")
+    counts: Sequence[int] | None = None,
+) -> StepPlan:
+    """Allocate cache slots for ``counts[i]`` new tokens of each sequence ``seqs[i]``
+    (default one each: a decode step) and lay out the step: host bookkeeping and
+    host-to-device copies only, nothing read back from the device.
+
+    Raises :class:`CacheCapacityError` (changing nothing) when the cache has too few
+    free blocks, :class:`~glmport.core.errors.ConfigError` for an unknown or repeated
+    sequence or a count below 1.
+    """
+    counts = [1] * len(seqs) if counts is None else list(counts)
+    if not seqs or len(counts) != len(seqs) or any(n < 1 for n in counts):
+        raise ConfigError(
+            f"a cached step needs >= 1 new token for each of >= 1 sequences, got counts "
+            f"{counts} for sequences {list(seqs)}"
+        )
+    device = model.lm_head.weight.device
     starts = [cache.length(s) for s in seqs]
     new_slots = cache.append_batch(seqs, counts)
     positions, seq_ids, k_start, k_end = [], [], [], []
@@ -319,20 +343,21 @@ def _plan(
         k_start.append(torch.full((n,), offset))
         k_end.append(offset + pos + 1)
         offset += start + n
-    positions = torch.cat(positions).to(device)
-    cos, sin = rope(positions)
-    return _Plan(
-        new_slots=torch.cat(new_slots).to(device),
-        seq_ids=torch.cat(seq_ids).to(device),
+    positions = _to(torch.cat(positions), device)
+    cos, sin = model.model.rope(positions)
+    return StepPlan(
+        new_slots=_to(torch.cat(new_slots), device),
+        seq_ids=_to(torch.cat(seq_ids), device),
         positions=positions,
         num_keys=offset,
         key_base=key_base,
         key_slots=None
         if key_base is not None
-        else torch.cat([cache.slots(s) for s in seqs]).to(device),
-        k_start=torch.cat(k_start).to(device, torch.int32),
-        k_end=torch.cat(k_end).to(device, torch.int32),
-        last=(torch.tensor(counts).cumsum(0) - 1).to(device),
+        else _to(torch.cat([cache.slots(s) for s in seqs]), device),
+        k_start=_to(torch.cat(k_start).to(torch.int32), device),
+        k_end=_to(torch.cat(k_end).to(torch.int32), device),
+        widths=Widths(tuple((start + 1, n) for start, n in zip(starts, counts, strict=True))),
+        last=_to(torch.tensor(counts).cumsum(0) - 1, device),
         cos=cos,
         sin=sin,
     )
@@ -343,7 +368,7 @@ def _layer_step(
     x: torch.Tensor,
     cache: PagedKVCache,
     index: int,
-    plan: _Plan,
+    plan: StepPlan,
     shared: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``DecoderLayer.forward`` for new tokens ``x [T, hidden]`` over cache layer
@@ -365,17 +390,102 @@ def _layer_step(
         # are contiguous and its ties break by position exactly as in the uncached forward.
         packed = plan.packed_keys(keys)
         picked = attn.indexer.select(
-            h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end
+            h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end, plan.widths
         )
     x = x + attn.attend_latent(p, latent, plan.physical(picked))
     return x + layer.mlp(layer.post_attention_layernorm(x)), picked
 
 
+def _decoder_step(
+    model: GlmMoeDsaForCausalLM, cache: PagedKVCache, plan: StepPlan, ids: torch.Tensor
+) -> torch.Tensor:
+    """The decoder layers over the cache for the new tokens ``ids [T]``: the pre-norm
+    hidden states ``[T, hidden]`` (the tokens stay cached)."""
+    x = model.model.embed_tokens(ids)
+    tape = active_tape()
+    # A choice tape names each token by its cache sequence id and position.
+    with nullcontext() if tape is None else tape.rows(plan.seq_ids, plan.positions):
+        picked = None  # a shared layer attends what the previous layer attended
+        for i, layer in enumerate(model.model.decoder_layers):
+            x, picked = _layer_step(layer, x, cache, i, plan, picked)
+    return x
+
+
+def _check_layers(what: str, model: GlmMoeDsaForCausalLM, cache: PagedKVCache) -> None:
+    if cache.num_layers != model.config.num_hidden_layers:
+        raise ConfigError(
+            f"{what}: the cache has {cache.num_layers} layers, the model "
+            f"{model.config.num_hidden_layers} decoder layers"
+        )
+
+
 def _as_ids(
     new_ids: Sequence[Sequence[int] | torch.Tensor], device: torch.device
 ) -> tuple[list[torch.Tensor], list[int]]:
-    rows = [torch.as_tensor(t, dtype=torch.long, device=device).reshape(-1) for t in new_ids]
+    rows = [_to(torch.as_tensor(t, dtype=torch.long).reshape(-1), device) for t in new_ids]
     return rows, [int(r.numel()) for r in rows]
+
+
+@torch.no_grad()
+def decode_step(
+    model: GlmMoeDsaForCausalLM,
+    cache: PagedKVCache,
+    plan: StepPlan,
+    token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of a :class:`~glmport.model.GlmMoeDsaForCausalLM`: each of ``B``
+    sequences takes one new token; returns the logits of the token after it.
+
+    Args:
+        model: the causal LM.
+        cache: its cache, one layer per decoder layer.
+        plan: ``plan_step(model, cache, seqs)`` for the ``B`` sequences, one new token
+            each (the default counts): it allocated the slots these tokens fill.
+        token_ids: ``[B]`` int64 (or int32) tensor on the model's device, each
+            sequence's newest token in the order of ``seqs``, in ``[0, vocab_size)``.
+
+    Returns:
+        logits ``[B, vocab_size]`` in the model's dtype; the new tokens stay cached.
+
+    The model and the op checks read no tensor on the host: every decision the layers
+    take comes from ``plan`` (host ints), and value checks, the range of ``token_ids``
+    included, are device-side asserts under the default ``GLMPORT_VALIDATE=full``
+    (:func:`~glmport.core.validate.holds`): on the CPU a bad value raises at once (a
+    ConfigError here, an OpInputError from an op; compiled, the assert's RuntimeError
+    with the same message), on an accelerator it stops the device at its next
+    synchronisation. So the step can be compiled whole (``torch.compile(decode_step,
+    fullgraph=True)``), and with kernels that read nothing back either (whether one
+    does is its backend's: the generic and cpu kernels do, to pick tile windows and
+    expert row ranges) it runs without host synchronisation or in a device graph.
+    """
+    _check_layers("decode_step", model, cache)
+    b, t = plan.last.shape[0], plan.new_slots.shape[0]
+    if t != b:
+        raise ConfigError(
+            f"decode_step takes one new token per sequence; the plan holds {t} new tokens "
+            f"for {b} sequences (use forward_cached for longer runs)"
+        )
+    _check_token_ids(token_ids, b, model.config.vocab_size)
+    x = _decoder_step(model, cache, plan, token_ids)
+    return model.lm_head(model.model.norm(x))
+
+
+def _check_token_ids(token_ids: torch.Tensor, b: int, vocab: int) -> None:
+    """Refuse ``token_ids`` that are not ``[b]`` int64 / int32 ids in ``[0, vocab)``:
+    shapes and dtype on the host, the range as a device-side assert (a ConfigError at
+    once on the CPU)."""
+    if (
+        not isinstance(token_ids, torch.Tensor)
+        or tuple(token_ids.shape) != (b,)
+        or token_ids.dtype not in (torch.int64, torch.int32)
+    ):
+        raise ConfigError(
+            f"decode_step: token_ids must be a [{b}] int64 or int32 tensor of token ids, "
+            f"got {describe(token_ids)}"
+        )
+    outside = f"decode_step: token_ids must lie in [0, {vocab})"
+    if not holds((token_ids.min() >= 0) & (token_ids.max() < vocab), outside):
+        raise ConfigError(f"{outside}, got {token_ids.tolist()[:8]}")
 
 
 @torch.no_grad()
@@ -387,7 +497,9 @@ def forward_cached(
     *,
     last_only: bool = False,
 ) -> StepOutput:
-    """One cached step of a :class:`~glmport.model.GlmMoeDsaForCausalLM`.
+    """One cached step of a :class:`~glmport.model.GlmMoeDsaForCausalLM`: a prompt, a
+    decoded token or a run of draft tokens per sequence (:func:`plan_step`, then the
+    decoder layers as in :func:`decode_step`).
 
     Args:
         model: the causal LM.
@@ -400,21 +512,10 @@ def forward_cached(
     Returns:
         :class:`StepOutput`; the new tokens stay cached.
     """
-    if cache.num_layers != model.config.num_hidden_layers:
-        raise ConfigError(
-            f"forward_cached: the cache has {cache.num_layers} layers, the model "
-            f"{model.config.num_hidden_layers} decoder layers"
-        )
-    device = model.lm_head.weight.device
-    rows, counts = _as_ids(new_ids, device)
-    plan = _plan(cache, seqs, counts, model.model.rope, device)
-    x = model.model.embed_tokens(torch.cat(rows))
-    tape = active_tape()
-    # A choice tape names each token by its cache sequence id and position.
-    with nullcontext() if tape is None else tape.rows(plan.seq_ids, plan.positions):
-        picked = None  # a shared layer attends what the previous layer attended
-        for i, layer in enumerate(model.model.decoder_layers):
-            x, picked = _layer_step(layer, x, cache, i, plan, picked)
+    _check_layers("forward_cached", model, cache)
+    rows, counts = _as_ids(new_ids, model.lm_head.weight.device)
+    plan = plan_step(model, cache, seqs, counts)
+    x = _decoder_step(model, cache, plan, torch.cat(rows))
     out = x[plan.last] if last_only else x
     return StepOutput(model.lm_head(model.model.norm(out)), x, counts)
 
@@ -455,7 +556,7 @@ def mtp_forward_cached(
         raise ConfigError(
             f"mtp_forward_cached: {sum(counts)} next tokens for {h_prev.shape[0]} hidden states"
         )
-    plan = _plan(cache, seqs, counts, model.model.rope, device)
+    plan = plan_step(model, cache, seqs, counts)
     x, _ = _layer_step(mtp, mtp.fuse(h_prev, torch.cat(rows)), cache, 0, plan)
     out = x[plan.last] if last_only else x
     return StepOutput(mtp.logits(out), x, counts)

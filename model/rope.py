@@ -93,7 +93,9 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [T, d/2]`` fp32 at ``positions [T]`` for ``inv_freq [d/2]`` fp32
     (:func:`rope_frequencies`), both times ``attention_factor``."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    # Non-blocking: a blocking copy of the cpu inv_freq would wait for the device's queue.
+    freq = inv_freq.to(positions.device, non_blocking=True)
+    angles = positions.float()[:, None] * freq[None, :]
     if attention_factor == 1.0:
         return angles.cos(), angles.sin()
     return angles.cos() * attention_factor, angles.sin() * attention_factor

@@ -9,6 +9,7 @@ the model's modules do not import the tape that inspects them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
@@ -49,10 +50,16 @@ class TapeHooks(Protocol):
 
 
 _TAPE: ContextVar[TapeHooks | None] = ContextVar("glmport_choice_tape", default=None)
+# Tapes open in all threads and tasks together: while none is, active_tape() reads a
+# plain int, which torch.compile traces (and guards), where it cannot trace a ContextVar.
+_open_tapes = 0
+_open_lock = threading.Lock()
 
 
 def active_tape() -> TapeHooks | None:
     """The tape open in this thread / asyncio task, if any."""
+    if not _open_tapes:
+        return None
     return _TAPE.get()
 
 
@@ -60,8 +67,13 @@ def active_tape() -> TapeHooks | None:
 def tape_opened(tape: TapeHooks) -> Iterator[None]:
     """Make ``tape`` the active one in this thread / asyncio task inside the block
     (blocks nest: the inner tape wins until it closes)."""
+    global _open_tapes
+    with _open_lock:
+        _open_tapes += 1
     token = _TAPE.set(tape)
     try:
         yield
     finally:
         _TAPE.reset(token)
+        with _open_lock:
+            _open_tapes -= 1

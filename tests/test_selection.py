@@ -15,6 +15,7 @@ from glmport.core import registry
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability
 from glmport.core.selection import current_settings, resolve, settings_from_env
 from glmport.core.specs import OP_NAMES
+from glmport.core.validate import Level
 
 
 class _ToyBackend(Backend):
@@ -216,6 +217,18 @@ def test_use_backend_checks_the_name_on_entry():
     with pytest.raises(glmport.UnknownBackendError), glmport.use_backend("bogus"):
         pass
     with pytest.raises(glmport.BackendUnavailableError), glmport.use_backend("ascend"):
+        pass
+
+
+def test_use_backend_sets_the_validation_level_for_its_block(monkeypatch):
+    monkeypatch.setenv("GLMPORT_VALIDATE", "meta")
+    with glmport.use_backend(validate="STRICT"):
+        assert current_settings().validate == Level.STRICT
+        with glmport.use_backend("cpu"):  # an inner block keeps the outer level
+            assert current_settings().validate == Level.STRICT
+    assert current_settings().validate == Level.META
+    refused = pytest.raises(glmport.ConfigError, match="valid levels: meta, full, strict")
+    with refused, glmport.use_backend(validate="loose"):
         pass
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level, abs_max
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level
 from .base import OpSpec, invoke
 
 
@@ -29,12 +29,12 @@ def _check(c: Checker, q, k, v, indices, scale, *, values):
     if values >= Level.STRICT:  # max |k|, |v| read the whole cache: as long as a decode step
         # The softmax subtracts the max score: differences reach twice the largest |s|,
         # times log2(e) in an exp2 softmax; q . k is formed before a scale < 1 shrinks it.
-        scores = max(scale, 1.0) * abs_max(q) * abs_max(k) * dk
+        scores = max(scale, 1.0) * c.magnitude(q) * c.magnitude(k) * dk
         c.within_range(
             "scale", 3 * scores, "the score spread 3 * max(scale, 1) * max|q| * max|k| * Dk"
         )
         # An online softmax sums up to K rows of v at weight <= 1 before normalising.
-        c.within_range("v", indices.shape[1] * abs_max(v), "K * max|v|")
+        c.within_range("v", indices.shape[1] * c.magnitude(v), "K * max|v|")
 
 
 def _guarded_outputs(outs, q, k, v, indices, scale):

@@ -75,7 +75,8 @@ class OpSpec:
             self.check(checker, *args, values=False)
             checker.fits_device(dict(zip(self.arg_names, args, strict=True)), self.fake)
         if values:
-            self.check(Checker(self.name, metadata=False), *args, values=values)
+            reads = values >= Level.STRICT
+            self.check(Checker(self.name, metadata=False, reads=reads), *args, values=values)
 
     def validate_result(self, args: tuple, outs: object, level: Level) -> None:
         """After the kernel (``GLMPORT_VALIDATE=full`` and up): when the outputs show an
@@ -85,18 +86,22 @@ class OpSpec:
         bfloat16), the same bounds are held to that dtype's range: inputs that could
         overflow it are refused as well. Anything else is the kernel's own result and
         stands (the conformance judge sees it: a NaN from a softmax that forgot its
-        max is the kernel's bug, not the caller's). Clean outputs cost one sync."""
+        max is the kernel's bug, not the caller's). The outputs are judged by one
+        verdict (:func:`first_overflow`): on the CPU, and under ``strict`` (a host read)
+        everywhere."""
         if self.result_guard is None:
             return
         with torch.no_grad():
-            hit = first_overflow(self.result_guard(outs, *args))
+            hit = first_overflow(
+                self.name, self.result_guard(outs, *args), reads=level >= Level.STRICT
+            )
         if hit is None:
             return
         if level < Level.STRICT:
             self.validate(args, values=Level.STRICT, metadata=False)
         out = hit[1]
         if torch.finfo(out.dtype).max < FP32_MAX:
-            narrow = Checker(self.name, metadata=False, range_dtype=out.dtype)
+            narrow = Checker(self.name, metadata=False, range_dtype=out.dtype, reads=True)
             self.check(narrow, *args, values=Level.STRICT)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8_DTYPE
-from ..validate import FLOAT_DTYPES, Checker, Level, abs_max
+from ..validate import FLOAT_DTYPES, Checker, Level
 from .base import OpSpec, invoke
 
 _QK_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
@@ -39,13 +39,12 @@ def _check_scores_inputs(c: Checker, q, k, weights, k_start, k_end, q_scale, k_s
     if values:
         c.in_range("k_start", k_start, 0, n + 1)
         c.in_range("k_end", k_end, 0, n + 1)
-        if bool((k_start > k_end).any()):
+
+        def first_crossed() -> str:
             row = int((k_start > k_end).nonzero()[0, 0])
-            c.fail(
-                "k_start",
-                "<= k_end for every query",
-                f"k_start[{row}]={int(k_start[row])} > k_end[{row}]={int(k_end[row])}",
-            )
+            return f"k_start[{row}]={int(k_start[row])} > k_end[{row}]={int(k_end[row])}"
+
+        c.require((k_start <= k_end).all(), "k_start", "<= k_end for every query", first_crossed)
         w_max = c.finite("weights", weights)
         q_max = c.finite("q", q)  # a NaN score would make the chosen set arbitrary
         for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
@@ -54,8 +53,8 @@ def _check_scores_inputs(c: Checker, q, k, weights, k_start, k_end, q_scale, k_s
     if values >= Level.STRICT:  # the whole key cache: as long as the decode step itself
         k_max = c.finite("k", k)
         if fp8:  # the dot products of dequantised rows
-            q_max *= abs_max(q_scale)
-            k_max *= abs_max(k_scale)
+            q_max *= c.magnitude(q_scale)
+            k_max *= c.magnitude(k_scale)
         # q . k per head, then a weighted sum over the Hi heads.
         bound = q_max * k_max * di * max(1.0, hi * w_max)
         c.within_range("q", bound, "the scores (max|q| * max|k| * Di * max(1, Hi * max|weights|))")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import FLOAT_DTYPES, FP32_TINY, INDEX_DTYPES, Checker, abs_max, describe
+from ..validate import FLOAT_DTYPES, FP32_TINY, INDEX_DTYPES, Checker, describe
 from .base import OpSpec, invoke
 
 
@@ -26,7 +26,7 @@ def _check(c: Checker, hidden, lm_head, targets, temperature, *, values):
         c.in_range("targets", targets, 0, lm_head.shape[0])
         # |h . w| <= A; the logits z - max z span 2A / temperature, and the entropy sums
         # p * z over the vocabulary: V * max|z| must fit too.
-        a = abs_max(hidden) * abs_max(lm_head) * d
+        a = c.magnitude(hidden) * c.magnitude(lm_head) * d
         bound = 2 * a * max(1.0, lm_head.shape[0] / temperature)
         c.within_range(
             "temperature",

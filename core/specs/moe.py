@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FLOAT_WEIGHT, dequantize_weight, fake_quant_activation
-from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level, abs_max
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level
 from .base import OpSpec, invoke, invoke_prepared, single_output
 from .quant import (
     PRODUCT_GUARD,
@@ -204,15 +204,13 @@ def _check_combine(c: Checker, y_sorted, src_row, weights, *, values):
     c.same_device(y_sorted=y_sorted, src_row=src_row, weights=weights)
     if values:
         c.in_range("src_row", src_row, 0, rows)
-        if rows and not bool(
-            torch.equal(
-                src_row.sort().values, torch.arange(rows, device=src_row.device).to(src_row.dtype)
-            )
-        ):
-            c.fail("src_row", f"a permutation of 0..{rows - 1}", "a repeated row id")
+        if rows:  # in range and sorted onto 0..rows-1: each row id exactly once
+            every = torch.arange(rows, device=src_row.device).to(src_row.dtype)
+            ok = (src_row.sort().values == every).all()
+            c.require(ok, "src_row", f"a permutation of 0..{rows - 1}", lambda: "a repeated row id")
         w_max = c.finite("weights", weights)
         if values >= Level.STRICT:  # y_sorted: as large as the op's whole input
-            bound = weights.shape[1] * w_max * abs_max(y_sorted)
+            bound = weights.shape[1] * w_max * c.magnitude(y_sorted)
             c.within_range("weights", bound, "a weighted sum (k * max|weights| * max|y_sorted|)")
 
 
@@ -275,12 +273,13 @@ def _check_grouped(c: Checker, x, w, expert_offsets, w_scale, scheme, group_size
         check_quant_weight(c, x, w, w_scale, scheme, group_size, values=values, experts=e)
     if values:
         off = expert_offsets
-        if int(off[0]) != 0 or int(off[-1]) != x.shape[0] or bool((off[1:] < off[:-1]).any()):
-            c.fail(
-                "expert_offsets",
-                f"non-decreasing from 0 to M={x.shape[0]}",
-                f"{off.tolist()[:8]}{'...' if off.numel() > 8 else ''}",
-            )
+        ok = (off[0] == 0) & (off[-1] == x.shape[0]) & (off[1:] >= off[:-1]).all()
+        c.require(
+            ok,
+            "expert_offsets",
+            f"non-decreasing from 0 to M={x.shape[0]}",
+            lambda: f"{off.tolist()[:8]}{'...' if off.numel() > 8 else ''}",
+        )
 
 
 def _fake_grouped(x, w, expert_offsets, w_scale=None, scheme=FLOAT_WEIGHT, group_size=128):

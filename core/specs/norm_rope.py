@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import FLOAT_DTYPES, Checker, Level, abs_max
+from ..validate import FLOAT_DTYPES, Checker, Level
 from .base import OpSpec, invoke, single_output
 
 # -- rms_norm ----------------------------------------------------------------------
@@ -19,7 +19,7 @@ def _check_rms(c: Checker, x, weight, eps, *, values):
     c.same_device(x=x, weight=weight)
     if values:
         # Fused kernels (cuda, npu_rms_norm) sum squares in float32 unscaled.
-        c.within_range("x", abs_max(x) ** 2 * x.shape[-1], "the sum of squares of a row")
+        c.within_range("x", c.magnitude(x) ** 2 * x.shape[-1], "the sum of squares of a row")
 
 
 RMS_NORM = OpSpec(
@@ -64,7 +64,7 @@ def _check_rope(c: Checker, x, cos, sin, interleaved, *, values):
     c.same_device(x=x, cos=cos, sin=sin)
     if values >= Level.STRICT:  # a NaN or inf angle makes NaN outputs: loud, not silent
         rotation = c.finite("cos", cos) + c.finite("sin", sin)
-        bound = abs_max(x) * rotation
+        bound = c.magnitude(x) * rotation
         c.within_range("x", bound, "a rotated pair (max|x| * (max|cos| + max|sin|))")
 
 

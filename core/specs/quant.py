@@ -18,7 +18,7 @@ from ..formats import (
     dequantize_weight,
     fake_quant_activation,
 )
-from ..validate import FLOAT_DTYPES, Checker, Level, abs_max, describe
+from ..validate import FLOAT_DTYPES, Checker, Level, Magnitude, at_least, describe
 from .base import OpSpec, invoke, invoke_prepared, single_output
 
 # -- prepared weights ----------------------------------------------------------------
@@ -192,8 +192,8 @@ def check_product_bound(
     w: torch.Tensor,
     values: int,
     *,
-    x_max: float | None = None,
-    w_max: float | None = None,
+    x_max: Magnitude | None = None,
+    w_max: Magnitude | None = None,
     codes: float = 1.0,
 ) -> None:
     """Before the kernel: the partial sums of ``y = x @ w.T`` (``K`` terms, ``w``
@@ -204,11 +204,11 @@ def check_product_bound(
     the largest weight and activation codes of a quantised accumulator, 1 for float.
     The ``max(., 1)`` terms cover a kernel applying the scales after accumulating."""
     if values >= Level.STRICT:
-        x_max = abs_max(x) if x_max is None else x_max
-        w_max = abs_max(w) if w_max is None else w_max
+        x_max = c.magnitude(x) if x_max is None else x_max
+        w_max = c.magnitude(w) if w_max is None else w_max
     if x_max is None or w_max is None:
         return
-    bound = x.shape[1] * codes * max(x_max, 1.0) * max(w_max, 1.0)
+    bound = x.shape[1] * codes * at_least(x_max, 1.0) * at_least(w_max, 1.0)
     c.within_range("x", bound, "the partial sums of x @ w.T (K * max|x| * max|w|, codes, scales)")
 
 
