@@ -90,6 +90,8 @@ def indexer_cases() -> Iterator[Case]:
         ("glm5_long", "glm5", dict(t=8, hi=32, di=128, n=8192, topk=2048)),
         # GLM-5's widest top-k (DSA at long context): wider than any one sort of cuda.
         ("glm5_topk8192", "glm5", dict(t=2, hi=32, di=128, n=9000, topk=8192)),
+        # As many queries as an H200 has SMs: cuda's prefill path (a program per query).
+        ("glm5_prefill", "glm5", dict(t=132, hi=32, di=128, n=2100, topk=2048)),
         ("t1", "edge", dict(t=1, hi=4, di=32, n=20, topk=8)),
         ("n_lt_topk", "edge", dict(t=5, hi=4, di=32, n=12, topk=16)),
         ("empty_range", "edge", dict(t=4, hi=4, di=32, n=30, topk=8, ranges="empty_row")),
