@@ -88,6 +88,8 @@ def indexer_cases() -> Iterator[Case]:
         ("tiny", "tiny", dict(t=6, hi=4, di=32, n=50, topk=8)),
         ("glm5", "glm5", dict(t=4, hi=32, di=128, n=4096, topk=2048)),
         ("glm5_long", "glm5", dict(t=8, hi=32, di=128, n=8192, topk=2048)),
+        # DeepSeek-V3.2's indexer width (64 heads x 128), GLM-5-class.
+        ("heads64", "glm5", dict(t=2, hi=64, di=128, n=4096, topk=2048)),
         # GLM-5's widest top-k (DSA at long context): wider than any one sort of cuda.
         ("glm5_topk8192", "glm5", dict(t=2, hi=32, di=128, n=9000, topk=8192)),
         # As many queries as an H200 has SMs: cuda's prefill path (a program per query).
