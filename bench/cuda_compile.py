@@ -10,17 +10,20 @@ branches (compiled Triton, not the interpreter), with ``torch.cuda``'s device qu
 answered as an H200 / B200 would (132 / 148 SMs, capability 9.0 / 10.0). The bundled
 ``ptxas -v`` reads registers and spill bytes off each variant's PTX, Triton's metadata
 its (dynamic) shared memory; the PTX names the MMA kind (``wgmma``, ``tcgen05``,
-``mma.sync``, or none: FMA).
+``mma.sync``, or none: FMA) and its first MMA opcode (shape and operand types: e4m3 or
+bf16 inputs).
 
 Rows (one per variant and architecture): kernel, the case that produced it, its
-autotune config's index (0: the default, listed first; None: not autotuned), its
+autotune config's index (0: the default, listed first; None: not autotuned;
+``duplicate_of``: an earlier config of the same launch that compiled to the same binary), its
 constexpr meta-parameters and warps / stages, registers, spill stores / loads (bytes),
 shared memory (bytes), MMA kind, compile seconds. A compile error is a row with
 ``error`` and makes the exit status 1.
 
 Run: ``python bench/cuda_compile.py`` (the ``tiny`` and ``glm5`` case families, both
 architectures; writes ``bench/results/cuda_compile.json``); ``--families tiny
---arch 90 --ops rms_norm,rope`` narrows it (CI). Compile times are of this machine's
+--arch 90 --ops rms_norm,rope`` or ``--cases sparse_attention-glm5_absorbed-bfloat16``
+narrows it (CI). Compile times are of this machine's
 CPU, from an empty Triton cache (a temporary one, removed at the end).
 """
 
@@ -172,20 +175,33 @@ def mma_kind(ptx: str) -> str:
     return "fma"
 
 
+def mma_instruction(ptx: str) -> str | None:
+    """The first tensor-core opcode in the PTX, its shape and operand types spelled
+    out (``mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32``), or None."""
+    found = re.search(r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", ptx)
+    return found.group(0) if found else None
+
+
 def _meta(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, str)) and k.isupper()}
 
 
-def compile_cases(arch: int, families: tuple[str, ...], ops: tuple[str, ...] | None) -> list:
-    """One row per compiled variant of the cases of ``families`` (and ``ops``)."""
+def compile_cases(
+    arch: int,
+    families: tuple[str, ...],
+    ops: tuple[str, ...] | None,
+    cases: tuple[str, ...] | None = None,
+) -> list:
+    """One row per compiled variant of the cases of ``families`` (and ``ops``; and of
+    those, only the case ids ``cases`` when given)."""
     from glmport.backends.cuda import BACKEND
     from glmport.conformance.cases import all_cases
 
-    rows, seen = [], set()
+    rows, seen = [], {}
     with gpu_target(arch):
         kernels = BACKEND.load_kernels(False)
         for case in all_cases(ops=ops):
-            if case.family not in families or case.layout:
+            if case.family not in families or case.layout or (cases and case.id not in cases):
                 continue
             compiled: list = []
             with compile_only(compiled):
@@ -210,9 +226,12 @@ def compile_cases(arch: int, families: tuple[str, ...], ops: tuple[str, ...] | N
                     row["error"] = f"{type(kernel).__name__}: {str(kernel)[:500]}"
                 else:
                     key = (name, kernel.hash)
-                    if key in seen:  # the same binary from another case: one row
-                        continue
-                    seen.add(key)
+                    if key in seen:
+                        first_case, first_config = seen[key]
+                        if first_case != case.id:  # the same binary from another case
+                            continue
+                        row["duplicate_of"] = first_config  # two configs, one binary
+                    seen.setdefault(key, (case.id, config))
                     ptx = kernel.asm["ptx"]
                     try:
                         # Triton's shared memory is dynamic: its own count, not ptxas's.
@@ -220,6 +239,7 @@ def compile_cases(arch: int, families: tuple[str, ...], ops: tuple[str, ...] | N
                             ptxas_usage(ptx, arch),
                             shared_bytes=kernel.metadata.shared,
                             mma=mma_kind(ptx),
+                            mma_op=mma_instruction(ptx),
                         )
                     except RuntimeError as e:
                         row["error"] = str(e)
@@ -242,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join(FAMILIES), help="case families")
     parser.add_argument("--ops", default=None, help="only these ops (comma-separated)")
+    parser.add_argument("--cases", default=None, help="only these case ids (comma-separated)")
     parser.add_argument("--arch", default="90,100", help="compute capabilities: 90, 100")
     parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "cuda_compile.json")
@@ -257,11 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--arch: unknown {unknown}; known: {', '.join(map(str, ARCHS))}")
     families = tuple(args.families.split(","))
     ops = tuple(args.ops.split(",")) if args.ops else None
+    cases = tuple(args.cases.split(",")) if args.cases else None
 
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # compile times from an empty cache
         t0 = time.perf_counter()
-        rows = [r for arch in archs for r in compile_cases(arch, families, ops)]
+        rows = [r for arch in archs for r in compile_cases(arch, families, ops, cases)]
         wall = time.perf_counter() - t0
     errors = [r for r in rows if "error" in r]
     ok = [r for r in rows if "error" not in r]
@@ -279,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "families": families,
         "ops": ops,
+        "cases": cases,
         "archs": [ARCHS[a] for a in archs],
         "wall_s": round(wall, 1),
         "rows": rows,

@@ -137,20 +137,45 @@ def test_compile_only_run_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_pa
     assert all(r["mma"] == "fma" for r in rows if r["op"] == "rms_norm")
     defaults = [r for r in rows if r["config"] == 0]  # each autotuned launch's first config
     assert defaults and all(r["spill_stores"] == 0 for r in defaults), defaults
+    assert not [r for r in rows if "duplicate_of" in r]  # every config its own binary
+
+
+def test_glm5_attention_and_fp8_indexer_compile_to_hopper_and_blackwell_mmas(tmp_path):
+    """At GLM-5's shapes: bf16 absorbed-MLA attention (the latent path, 64 heads a
+    program) lowers to wgmma on sm_90a and tcgen05 on sm_100a, its default config
+    without spills on sm_90a; the fp8 indexer's keys-as-rows dots are e4m3 wgmma on
+    sm_90a and, by default, f8f6f4 tcgen05 on sm_100a."""
+    out = tmp_path / "compile.json"
+    cases = "sparse_attention-glm5_absorbed-bfloat16,lightning_indexer-glm5-float8_e4m3fn"
+    args = ("--families", "glm5", "--arch", "90,100", "--cases", cases)
+    rows = run_bench_json("cuda_compile.py", out, *args, idle_s=300)["rows"]
+    assert [r for r in rows if "error" in r] == []
+    attention = {(r["arch"], r["config"]): r for r in rows if r["kernel"] == "_attention_kernel"}
+    assert {arch for arch, _ in attention} == {"sm_90a", "sm_100a"}
+    assert all(r["meta"]["BLOCK_H"] == 64 and r["meta"]["SHARED_V"] for r in attention.values())
+    assert all(r["mma"] == "wgmma" for (arch, _), r in attention.items() if arch == "sm_90a")
+    assert all(r["mma"] == "tcgen05" for (arch, _), r in attention.items() if arch == "sm_100a")
+    assert attention[("sm_90a", 0)]["spill_stores"] == 0
+    scores = {(r["arch"], r["config"]): r for r in rows if r["kernel"] == "_lightning_kernel"}
+    hopper = [r["mma_op"] for (arch, _), r in scores.items() if arch == "sm_90a"]
+    assert hopper and all(op.startswith("wgmma") and ".e4m3.e4m3" in op for op in hopper), hopper
+    assert scores[("sm_100a", 0)]["mma_op"] == "tcgen05.mma.cta_group::1.kind::f8f6f4"
 
 
 @pytest.mark.parametrize(
     ("ptx", "kind"),
     [
         ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "wgmma"),
-        ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05"),
-        ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync"),
+        ("tcgen05.mma.cta_group::1.kind::f8f6f4", "tcgen05"),
+        ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", "mma.sync"),
         ("fma.rn.f32 %f1, %f2, %f3, %f4;", "fma"),
     ],
 )
-def test_the_mma_kind_is_read_off_the_ptx(ptx, kind):
+def test_the_mma_kind_and_opcode_are_read_off_the_ptx(ptx, kind, monkeypatch):
     spec = importlib.util.spec_from_file_location("cuda_compile", BENCH / "cuda_compile.py")
-    sys.path.insert(0, str(BENCH))
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.mma_kind(ptx) == kind
+    opcode = module.mma_instruction(f"  ld.shared.u32 %r1;\n  {ptx} {{%f1}};")
+    assert opcode == (None if kind == "fma" else ptx.split()[0]), opcode

@@ -64,7 +64,9 @@ class CudaBackend(Backend):
         priority=30,
         emulation="Triton interpreter (TRITON_INTERPRET=1) on CPU tensors",
         verified=(
-            "Triton interpreter on x86_64 CPUs (CI); compiled for sm_90, not verified on a GPU"
+            "Triton interpreter on x86_64 CPUs (CI), the GPU's autotune configs and host "
+            "plans included (runtime.gpu_plan); compiled for sm_90a and sm_100a without a "
+            "GPU (bench/cuda_compile.py); not run on a GPU"
         ),
         stack=("triton",),
     )

@@ -6,17 +6,20 @@ weights, ``w * qs * relu(dot * ks)``, equal for the positive scales the op takes
 
 ``indexer_logits``: a program per (block of ``BLOCK_T`` queries, tile of ``BLOCK_N``
 keys). Its ``BLOCK_T * BLOCK_H`` query-head rows (``Hi`` padded to ``BLOCK_H >= 16``)
-meet the key tile in one ``[BLOCK_T * BLOCK_H, Di] x [Di, BLOCK_N]`` dot; ReLU, the
-weights and the head reduction are its epilogue, then the range mask and an fp32
-store. A tile outside every range of its query block skips the dot.
+meet the key tile in one ``[BLOCK_N, Di] x [Di, BLOCK_T * BLOCK_H]`` dot (keys as rows:
+64 or more make it a wgmma / tcgen05 tile, e4m3 operands included, whatever the head
+count); ReLU, the weights and the head reduction are its epilogue, then the range
+mask and an fp32 store. A tile outside every range of its query block skips the dot.
 
 ``lightning_indexer``: top-k fused, never a ``[T, N]`` score matrix. Prefill: a program
 per query token. Decode (fewer queries than SMs) and any top-k wider than
 ``_MAX_SORT``: each query's key range is split (:func:`plan_key_split`: a batch-1
 decode at 65536 keys runs 256 programs of 256 keys on an H200), every split keeps its
 own best keys as below and writes them, sorted, for :func:`_merge_kernel`, which
-merges ``_MERGE_FAN`` lists a program and level with the same half-cleaner. Scores become packed int64 sort keys, so one integer sort orders by
-score and breaks ties to the lower slot:
+merges ``_MERGE_FAN`` lists a program and level with the same half-cleaner.
+
+Scores become packed int64 sort keys, so one integer sort orders by score and breaks
+ties to the lower slot:
 
 - high 32 bits: the fp32 score's bits with the 31 low bits flipped for negatives,
   which makes signed-int order equal float order (``-0.0`` is made ``+0.0`` first);
@@ -27,7 +30,7 @@ The program keeps the best ``TILE`` keys so far, sorted descending, in registers
 ``TILE`` is ``min(topk, N)`` rounded up to a power of two, at least ``_MIN_TILE`` (or
 ``N`` rounded up, if smaller). It walks its key range ``TILE`` keys at a time: a
 tile's scores are computed ``CHUNK = min(BLOCK_N, TILE)`` keys per dot
-(``[BLOCK_H, Di] x [Di, CHUNK]``, as in the logits kernel) and assembled into a
+(``[CHUNK, Di] x [Di, BLOCK_H]``, as in the logits kernel) and assembled into a
 ``[TILE / CHUNK, CHUNK]`` register tile by a select on the chunk row. When the tile's
 best key beats the current ``topk``-th best, the tile is sorted ascending and merged
 by Batcher's half-cleaner: for a descending ``A`` and an ascending ``B`` of equal
@@ -107,20 +110,22 @@ def _weighted_relu_dots(
     FP8: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """``w[:, None] * relu(q @ k[offs_n].T * ks[offs_n])``: ``[M, BLOCK_N]`` fp32 for
-    ``q`` ``[M, BLOCK_D]`` (dot dtype), ``w`` ``[M]`` fp32; keys outside ``n_valid``
-    read as 0 and are never touched in memory."""
+    """``w[None, :] * relu(k[offs_n] @ q.T * ks[offs_n, None])``: ``[BLOCK_N, M]`` fp32
+    for ``q`` ``[M, BLOCK_D]`` (dot dtype), ``w`` ``[M]`` fp32; keys outside ``n_valid``
+    read as 0 and are never touched in memory. Keys are the dot's rows: at least 64 of
+    them make it a wgmma / tcgen05 tile (e4m3 included) whatever the head count."""
     kt = tl.load(
-        k_ptr + offs_n[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
-        mask=n_valid[None, :] & d_mask[:, None],
+        k_ptr + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
+        mask=n_valid[:, None] & d_mask[None, :],
         other=0.0,
     )
     kt = to_dot(kt, q.dtype)
-    dots = tl.dot(q, kt, input_precision="ieee") if IEEE else tl.dot(q, kt)
+    qt = tl.trans(q)
+    dots = tl.dot(kt, qt, input_precision="ieee") if IEEE else tl.dot(kt, qt)
     if FP8:
         ks = tl.load(ks_ptr + offs_n.to(tl.int64) * sks, mask=n_valid, other=0.0)
-        dots = dots * ks[None, :]
-    return tl.maximum(dots, 0.0) * w[:, None]
+        dots = dots * ks[:, None]
+    return tl.maximum(dots, 0.0) * w[None, :]
 
 
 @triton.jit
@@ -215,7 +220,7 @@ def _logits_kernel(
         heads = _weighted_relu_dots(
             q, w, k_ptr, ks_ptr, offs_n, offs_n < N, offs_d, d_mask, skn, skd, sks, FP8, IEEE
         )
-        total = tl.sum(tl.reshape(heads, [BLOCK_T, BLOCK_H, BLOCK_N]), axis=1)
+        total = tl.trans(tl.sum(tl.reshape(heads, [BLOCK_N, BLOCK_T, BLOCK_H]), axis=2))
         valid = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] < end[:, None])
         scores = tl.where(valid, total, scores)
     tl.store(
@@ -350,7 +355,7 @@ def _lightning_kernel(
                 heads = _weighted_relu_dots(
                     q, w, k_ptr, ks_ptr, offs_n, valid, offs_d, d_mask, skn, skd, sks, FP8, IEEE
                 )
-                keys = _sort_keys(tl.sum(heads, axis=0), offs_n, valid)
+                keys = _sort_keys(tl.sum(heads, axis=1), offs_n, valid)
                 tile = tl.where(chunk_row == c, keys[None, :], tile)
         if tl.max(tl.max(tile, axis=1), axis=0) > kth:
             # Half-cleaner: best descending, tile ascending -> the larger half, bitonic.
