@@ -367,7 +367,7 @@ def model(b: Bench, s: Sizes) -> None:
               "HBM us", "tensor us", "bound TFLOPS", "mma")  # fmt: skip
     body = [
         (r["kernel"], r["phase"], r["design"], r["tokens"], f"{r['bytes_per_query']:.3g}",
-         f"{r.get('vs_one_gather', math.nan):.2f}", r["programs"] or "-",
+         f"{r['vs_one_gather']:.2f}" if "vs_one_gather" in r else "-", r["programs"] or "-",
          f"{r['sm_fill']:.2f}" if "sm_fill" in r else "-", f"{r['hbm_us']:.3g}",
          f"{r['tensor_us']:.3g}", f"{r['bound_tflops']:.0f}",
          ", ".join(f"{a} {k}" for a, k in sorted(r.get("mma", {}).items())) or "-")

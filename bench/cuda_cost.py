@@ -4,7 +4,8 @@ its lightning indexer at GLM-5's shapes, beside the anchors' records.
 Per call: bytes from HBM (what the kernels must read and write once; the decode
 partials, written and read back by the combine, are listed apart: at these sizes they
 stay in an H200's 50 MB L2), FLOPs, programs launched (from the backend's own host
-plan: head blocks, decode splits, one indexer program per query), the roofline's time
+plan: head blocks and decode splits of attention, key splits of the indexer), the
+roofline's time
 at the device's HBM bandwidth and bf16 / fp8 tensor peak, and the MMA kind the compile
 table found (``bench/cuda_compile.py``). ``bytes_per_query`` of the attention is set
 against one gather of the selected latent rows (``topk x Dk x 2 B``): the target is
@@ -33,7 +34,7 @@ ANCHORS = {
     "DeepGEMM FP8 GEMM, H800": "~1550 TFLOPS",
     "H200 HBM3e": "4.8 TB/s",
 }
-COMPILE_RESULTS = Path(__file__).parent / "results" / "cuda_compile_glm5_attention.json"
+COMPILE_RESULTS = Path(__file__).parent / "results" / "cuda_compile_glm5.json"
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,16 @@ class Shapes:
     index_dim: int = 128
 
 
-def _mma_kinds() -> dict[str, str]:
-    """Kernel -> MMA kind on sm_90a / sm_100a for the bf16 GLM-5 attention and indexer
-    cases of the compile table, where it has been run."""
+def _mma_kinds() -> dict[tuple[str, str, str], str]:
+    """``(kernel, arch, dtype) -> MMA kinds`` of the default configs in the GLM-5 compile
+    table (``bench/results/cuda_compile_glm5.json``), where it has been run."""
     if not COMPILE_RESULTS.exists():
         return {}
-    kinds: dict[str, set] = {}
+    kinds: dict[tuple[str, str, str], set] = {}
     for row in json.loads(COMPILE_RESULTS.read_text())["rows"]:
-        if "error" not in row and row.get("config") in (0, None) and "bfloat16" in row["case"]:
-            kinds.setdefault(f"{row['kernel']} {row['arch']}", set()).add(row["mma"])
+        if "error" not in row and row.get("config") in (0, None):
+            dtype = row["case"].split("-")[2]
+            kinds.setdefault((row["kernel"], row["arch"], dtype), set()).add(row["mma"])
     return {k: "/".join(sorted(v)) for k, v in kinds.items()}
 
 
@@ -107,20 +109,28 @@ def attention_rows(tokens: int, phase: str, shapes: Shapes, device: torch.device
     return rows
 
 
-def indexer_rows(tokens: int, keys: int, shapes: Shapes) -> list[dict]:
-    """The lightning indexer (fp8 keys, one program per query) over ``keys`` keys."""
+def indexer_rows(tokens: int, keys: int, shapes: Shapes, device: torch.device) -> list[dict]:
+    """The lightning indexer (fp8 keys) over ``keys`` keys: the programs of the
+    backend's plan (splits of each query's keys in decode, a program per query in
+    prefill) and the splits' sorted lists, written and merged through L2."""
+    from glmport.backends.cuda import indexer
+
     s = shapes
+    split = indexer.plan_key_split(tokens, keys, s.topk, device)
+    splits = math.ceil(keys / split)
+    local = 1 << indexer.log_tile(min(s.topk, split), split)
     key_bytes = keys * (s.index_dim + 4)  # e4m3 rows and their fp32 scales
     return [
         {
             "kernel": "lightning_indexer",
-            "phase": "decode" if tokens <= 128 else "prefill",
-            "design": "fp8 keys, one program per query",
+            "phase": "decode" if splits > 1 else "prefill",
+            "design": f"fp8, {splits} split(s) of {split} keys a query",
             "tokens": tokens,
             "keys": keys,
             "bytes_per_query": key_bytes + s.topk * 8,
+            "l2_partials_per_query": splits * local * 8 * 2 if splits > 1 else 0,
             "flops_per_query": 2.0 * s.index_heads * s.index_dim * keys,
-            "programs": tokens,
+            "programs": tokens * splits,
         }
     ]
 
@@ -149,12 +159,16 @@ def model_rows(device: torch.device, shapes: Shapes | None = None) -> list[dict]
     for tokens, phase in ((1, "decode"), (64, "decode"), (128, "decode"), (4096, "prefill")):
         rows += attention_rows(tokens, phase, s, device)
     for tokens, keys in ((1, 65536), (128, 65536), (2048, 16384)):
-        rows += indexer_rows(tokens, keys, s)
+        rows += indexer_rows(tokens, keys, s, device)
     kinds = _mma_kinds()
-    names = {"sparse_attention": "_attention_kernel", "lightning_indexer": "_lightning_kernel"}
+    # Each kernel in its production dtype: bf16 attention, fp8 indexer.
+    names = {
+        "sparse_attention": ("_attention_kernel", "bfloat16"),
+        "lightning_indexer": ("_lightning_kernel", "float8_e4m3fn"),
+    }
     for row in rows:
         row |= roofline(row, H200)
         if row["programs"] is not None:
-            kernel = names[row["kernel"]]
-            row["mma"] = {k.split()[1]: v for k, v in kinds.items() if k.startswith(kernel)}
+            kernel, dtype = names[row["kernel"]]
+            row["mma"] = {a: v for (k, a, d), v in kinds.items() if (k, d) == (kernel, dtype)}
     return rows

@@ -505,12 +505,12 @@ def lightning_indexer(
         )
         _lightning_kernel[(t, 1)](
             q, k, weights, starts, ends, qs, ks, indices, scores, indices,
-            n, hi, di, width, topk, n, 1, *strides, *meta[:2], _log_tile(width, n), *meta[2:],
+            n, hi, di, width, topk, n, 1, *strides, *meta[:2], log_tile(width, n), *meta[2:],
             False,
         )  # fmt: skip
         return indices, scores
     splits = triton.cdiv(n, split_len)
-    log_split = _log_tile(min(width, split_len), split_len)
+    log_split = log_tile(min(width, split_len), split_len)
     rows = max(1, _PART_BYTES // (splits << log_split) // 8)
     for r in range(0, t, rows):  # query chunks bound the splits' lists in memory
         c = slice(r, r + rows)
@@ -526,11 +526,11 @@ def lightning_indexer(
             n, hi, di, width, topk, split_len, splits, *strides, *meta[:2], log_split, *meta[2:],
             True,
         )  # fmt: skip
-        _merge(part, indices[c], scores[c], width, topk, _log_tile(width, n))
+        _merge(part, indices[c], scores[c], width, topk, log_tile(width, n))
     return indices, scores
 
 
-def _log_tile(width: int, n: int) -> int:
+def log_tile(width: int, n: int) -> int:
     """log2 of a top-k buffer for ``width`` keys out of ``n``: ``width`` rounded up to a
     power of two, at least the minimum tile unless ``n`` is smaller."""
     min_tile = _INTERPRETER_MIN_TILE if interpreter_plan() else _MIN_TILE
@@ -563,10 +563,11 @@ def _merge(
     scores: torch.Tensor,
     width: int,
     topk: int,
-    log_tile: int,
+    log_merged: int,
 ) -> None:
     """Merge the splits' sorted sort keys ``part [T, S, W]`` int64 into the best
-    ``width`` per query: ``_MERGE_FAN`` lists a program and level (all of them in one
+    ``width`` per query, in buffers of ``2**log_merged >= width`` keys: ``_MERGE_FAN``
+    lists a program and level (all of them in one
     program under the interpreter), decoded into ``indices`` / ``scores``
     ``[T, topk]`` by the last level."""
     t = part.shape[0]
@@ -575,10 +576,10 @@ def _merge(
         fan = lists if interpreter_plan() else _MERGE_FAN
         groups = triton.cdiv(lists, fan)
         final = groups == 1
-        merged = part if final else part.new_empty((t, groups, 1 << log_tile))
+        merged = part if final else part.new_empty((t, groups, 1 << log_merged))
         _merge_kernel[(t, groups)](
             part, merged, indices, scores, lists, part.shape[2], width, topk,
-            LOG_TILE=log_tile, FINAL=final, FAN=fan,
+            LOG_TILE=log_merged, FINAL=final, FAN=fan,
         )  # fmt: skip
         if final:
             return
