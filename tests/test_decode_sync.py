@@ -19,9 +19,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import glmport
 from glmport.core.errors import ConfigError
+from glmport.core.specs import base
 from glmport.core.selection import current_settings
 from glmport.core.validate import Level, holds
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -36,8 +38,9 @@ BATCHES = {
     "mixed": [[5, 17, 33, 2, 90, 11, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [42]],
     "lone": [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]],
 }
-_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-_FUNCTIONS = ("equal", "nonzero", "is_nonzero")
+_READS = frozenset(
+    ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal", "is_nonzero")
+)
 _KERNELS = "glmport.backends."
 
 
@@ -51,39 +54,42 @@ def _is_mask(index: object) -> bool:
     return any(isinstance(p, torch.Tensor) and p.dtype in (torch.bool, torch.uint8) for p in parts)
 
 
+class _HostReadCounter(TorchFunctionMode):
+    """Counts, by ``(what, calling module)``, the calls that read a tensor's value on
+    the host, made by any code but modules under ``exempt``. The calling module is the
+    first frame outside torch (``F.linear`` calling a method counts for its caller)."""
+
+    def __init__(self, exempt: str) -> None:
+        super().__init__()
+        self.exempt, self.reads = exempt, Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        what = getattr(func, "__name__", "")
+        if what in ("__getitem__", "__setitem__") and _is_mask(args[1]):
+            what = f"{what} with a mask"
+        if what in _READS or what.endswith("with a mask"):
+            frame = sys._getframe(1)
+            while frame.f_globals.get("__name__", "").split(".")[0] == "torch":
+                frame = frame.f_back
+            caller = frame.f_globals.get("__name__", "")
+            if not caller.startswith(self.exempt):
+                self.reads[(what, caller)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextmanager
 def counting_host_reads(exempt: str = _KERNELS) -> Iterator[Counter]:
-    """Count, by ``(what, calling module)``, the calls that read a tensor's value on
-    the host, made by any code but modules under ``exempt`` (a backend's kernels)."""
-    reads: Counter = Counter()
-
-    def counted(what: str, original, mask_only: bool = False):
-        def call(*args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if not caller.startswith(exempt) and (not mask_only or _is_mask(args[1])):
-                reads[(what, caller)] += 1
-            return original(*args, **kwargs)
-
-        return call
-
-    patches = [
-        (torch.Tensor, name, counted(name, getattr(torch.Tensor, name))) for name in _METHODS
-    ]
-    patches += [
-        (torch, name, counted(f"torch.{name}", getattr(torch, name))) for name in _FUNCTIONS
-    ]
-    patches += [
-        (torch.Tensor, name, counted(f"{name} with a mask", getattr(torch.Tensor, name), True))
-        for name in ("__getitem__", "__setitem__")
-    ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, patched in patches:
-        setattr(owner, name, patched)
+    """Count host reads of tensor values with a torch function mode (patching Tensor's
+    methods would leave it a sequence type for good). glmport's ops are told to ignore
+    the mode and take the plain eager path they take in production, whose Python code
+    the mode sees whole; through the dispatcher torch would hide the op's body from it."""
+    original = base._function_mode
+    base._function_mode = lambda: False
     try:
-        yield reads
+        with _HostReadCounter(exempt) as counter:
+            yield counter.reads
     finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+        base._function_mode = original
 
 
 def _prefilled(model, prompts: list[list[int]]):
@@ -102,6 +108,15 @@ def test_the_counter_counts_each_kind_of_host_read():
         t[mask], t[1:]  # a mask reads the count of its True entries; a slice reads nothing
     assert sum(reads.values()) == 7, reads
     assert all(caller == __name__ for _, caller in reads)
+
+
+def test_the_counter_leaves_tensor_as_it_found_it():
+    before = dict(vars(torch.Tensor))
+    with counting_host_reads():
+        torch.arange(3)[1].item()
+    assert dict(vars(torch.Tensor)) == before
+    # A 0-d tensor is still no sequence: torch.tensor reads it as a number.
+    assert torch.tensor([torch.tensor(0.5), 2.0]).tolist() == [0.5, 2.0]
 
 
 @pytest.mark.parametrize("backend", ["generic", "cpu"])

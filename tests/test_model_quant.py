@@ -156,7 +156,9 @@ def test_absorbed_attention_after_quantisation() -> None:
         full, _ = attn(h, batch, cos, sin)
         p = attn.project(h, cos, sin)
         keys = attn.indexer.keys(h, cos, sin)
-        slots = attn.indexer.select(h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end)
+        slots = attn.indexer.select(
+            h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end, batch.widths
+        )
         absorbed = attn.attend_latent(p, p.latent, slots)
     torch.testing.assert_close(absorbed, full, rtol=1e-4, atol=1e-6)
 
