@@ -66,7 +66,7 @@ class CudaBackend(Backend):
         verified=(
             "Triton interpreter on x86_64 CPUs (CI), the GPU's autotune configs and host "
             "plans included (runtime.gpu_plan); compiled for sm_90a and sm_100a without a "
-            "GPU (bench/cuda_compile.py); not run on a GPU"
+            "GPU (bench/cuda_compile.py); not verified on a GPU"
         ),
         stack=("triton",),
     )

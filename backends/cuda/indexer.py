@@ -125,7 +125,8 @@ def _weighted_relu_dots(
     if FP8:
         ks = tl.load(ks_ptr + offs_n.to(tl.int64) * sks, mask=n_valid, other=0.0)
         dots = dots * ks[:, None]
-    return tl.maximum(dots, 0.0) * w[None, :]
+    # A NaN dot (+inf and -inf inside it) stays NaN, to rank first: max.f32 would give 0.
+    return tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
 
 
 @triton.jit

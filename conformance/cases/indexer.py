@@ -122,10 +122,11 @@ def indexer_cases() -> Iterator[Case]:
                 dtypes=(FP8_DTYPE,), judge="indexer",
             )  # fmt: skip
     yield from _indexer_hard_cases()
+    named = {name: (name, family, p) for name, family, p in shapes}
     for name, family, p in [
-        shapes[0],
-        shapes[5],
-        shapes[6],
+        named["tiny"],
+        named["empty_range"],
+        named["packed_ragged"],
         ("glm5", "glm5", dict(t=4, hi=32, di=128, n=2048, topk=1)),
         # Past every tile: keys 1300 (64 / 128 / 1024 per dot), Di 48 and Hi 6 padded
         # to powers of two, 34 queries.
