@@ -23,8 +23,8 @@ from torch.overrides import TorchFunctionMode
 
 import glmport
 from glmport.core.errors import ConfigError
-from glmport.core.specs import base
 from glmport.core.selection import current_settings
+from glmport.core.specs import base
 from glmport.core.validate import Level, holds
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.cache import PagedKVCache, decode_step, forward_cached, plan_step
@@ -39,7 +39,8 @@ BATCHES = {
     "lone": [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]],
 }
 _READS = frozenset(
-    ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal", "is_nonzero")
+    {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+    | {"equal", "is_nonzero"}  # torch functions
 )
 _KERNELS = "glmport.backends."
 

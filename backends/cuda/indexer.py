@@ -79,6 +79,8 @@ _MERGE_FAN = 8
 # the splits' lists one launch may hold (queries in chunks beyond).
 _MAX_SORT = 2048
 _PART_BYTES = 1 << 28
+# D per fp32 FMA dot: 32 spills nothing where all of D = 128 spilled 4-7 KB (sm_90a).
+_FMA_CHUNK = 32
 _INTERPRETER_SMS = 4
 _INTERPRETER_MIN_SPLIT_KEYS = 1024
 
@@ -97,6 +99,8 @@ def _dot_dtype(dtype: torch.dtype, device: torch.device):
 @triton.jit
 def _weighted_relu_dots(
     q,
+    q_rows,
+    q_mask,
     w,
     k_ptr,
     ks_ptr,
@@ -104,24 +108,47 @@ def _weighted_relu_dots(
     n_valid,
     offs_d,
     d_mask,
+    Di,
+    sqd,
     skn,
     skd,
     sks,
     FP8: tl.constexpr,
-    IEEE: tl.constexpr,
+    FMA_CHUNK: tl.constexpr,
 ):
     """``w[None, :] * relu(k[offs_n] @ q.T * ks[offs_n, None])``: ``[BLOCK_N, M]`` fp32
     for ``q`` ``[M, BLOCK_D]`` (dot dtype), ``w`` ``[M]`` fp32; keys outside ``n_valid``
     read as 0 and are never touched in memory. Keys are the dot's rows: at least 64 of
-    them make it a wgmma / tcgen05 tile (e4m3 included) whatever the head count."""
-    kt = tl.load(
-        k_ptr + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
-        mask=n_valid[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    kt = to_dot(kt, q.dtype)
-    qt = tl.trans(q)
-    dots = tl.dot(kt, qt, input_precision="ieee") if IEEE else tl.dot(kt, qt)
+    them make it a wgmma / tcgen05 tile (e4m3 included) whatever the head count.
+
+    ``FMA_CHUNK`` > 0 (fp32: IEEE dots on the FMA units): the dot runs over ``Di`` in
+    chunks of that width, ``q``'s rows read again from ``q_rows [M]`` (pointers, masked
+    by ``q_mask``): one FMA dot over all of ``Di`` holds both operands' rows in
+    registers and spills kilobytes; chunks of 32 spill nothing."""
+    if FMA_CHUNK > 0:
+        dots = tl.zeros([offs_n.shape[0], w.shape[0]], tl.float32)
+        for d0 in tl.static_range(0, offs_d.shape[0], FMA_CHUNK):
+            od = d0 + tl.arange(0, FMA_CHUNK)
+            kc = tl.load(
+                k_ptr + offs_n[:, None].to(tl.int64) * skn + od[None, :] * skd,
+                mask=n_valid[:, None] & (od < Di)[None, :],
+                other=0.0,
+            )
+            qc = tl.load(
+                q_rows[:, None] + od[None, :] * sqd,
+                mask=q_mask[:, None] & (od < Di)[None, :],
+                other=0.0,
+            )
+            dots += tl.dot(
+                to_dot(kc, q.dtype), tl.trans(to_dot(qc, q.dtype)), input_precision="ieee"
+            )
+    else:
+        kt = tl.load(
+            k_ptr + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
+            mask=n_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        dots = tl.dot(to_dot(kt, q.dtype), tl.trans(q))
     if FP8:
         ks = tl.load(ks_ptr + offs_n.to(tl.int64) * sks, mask=n_valid, other=0.0)
         dots = dots * ks[:, None]
@@ -180,7 +207,7 @@ def _logits_kernel(
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     DOT: tl.constexpr,
-    IEEE: tl.constexpr,
+    FMA_CHUNK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -209,8 +236,9 @@ def _logits_kernel(
         r_mask = (rt < T) & (rh < Hi)
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < Di
+        q_rows = q_ptr + rt.to(tl.int64) * sqt + rh * sqh
         q = tl.load(
-            q_ptr + rt[:, None].to(tl.int64) * sqt + rh[:, None] * sqh + offs_d[None, :] * sqd,
+            q_rows[:, None] + offs_d[None, :] * sqd,
             mask=r_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
@@ -219,8 +247,9 @@ def _logits_kernel(
         if FP8:
             w = w * tl.load(qs_ptr + rt.to(tl.int64) * sst + rh * ssh, mask=r_mask, other=0.0)
         heads = _weighted_relu_dots(
-            q, w, k_ptr, ks_ptr, offs_n, offs_n < N, offs_d, d_mask, skn, skd, sks, FP8, IEEE
-        )
+            q, q_rows, r_mask, w, k_ptr, ks_ptr, offs_n, offs_n < N, offs_d, d_mask, Di, sqd,
+            skn, skd, sks, FP8, FMA_CHUNK,
+        )  # fmt: skip
         total = tl.trans(tl.sum(tl.reshape(heads, [BLOCK_N, BLOCK_T, BLOCK_H]), axis=2))
         valid = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] < end[:, None])
         scores = tl.where(valid, total, scores)
@@ -312,7 +341,7 @@ def _lightning_kernel(
     LOG_TILE: tl.constexpr,
     FP8: tl.constexpr,
     DOT: tl.constexpr,
-    IEEE: tl.constexpr,
+    FMA_CHUNK: tl.constexpr,
     PARTIAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -332,8 +361,9 @@ def _lightning_kernel(
     h_mask = offs_h < Hi
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < Di
+    q_rows = q_ptr + t * sqt + offs_h * sqh
     q = tl.load(
-        q_ptr + t * sqt + offs_h[:, None] * sqh + offs_d[None, :] * sqd,
+        q_rows[:, None] + offs_d[None, :] * sqd,
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -354,8 +384,9 @@ def _lightning_kernel(
                 offs_n = c0 + tl.arange(0, CHUNK)
                 valid = offs_n < end
                 heads = _weighted_relu_dots(
-                    q, w, k_ptr, ks_ptr, offs_n, valid, offs_d, d_mask, skn, skd, sks, FP8, IEEE
-                )
+                    q, q_rows, h_mask, w, k_ptr, ks_ptr, offs_n, valid, offs_d, d_mask, Di,
+                    sqd, skn, skd, sks, FP8, FMA_CHUNK,
+                )  # fmt: skip
                 keys = _sort_keys(tl.sum(heads, axis=1), offs_n, valid)
                 tile = tl.where(chunk_row == c, keys[None, :], tile)
         if tl.max(tl.max(tile, axis=1), axis=0) > kth:
@@ -437,7 +468,13 @@ def _common_args(q, k, weights, k_start, k_end, q_scale, k_scale) -> tuple:
         *(qs.stride() if fp8 else (0, 0)),
         ks.stride(0) if fp8 else 0,
     )
-    meta = (next_pow2(q.shape[1]), next_pow2(q.shape[2]), fp8, dot, dot == tl.float32)
+    block_d = next_pow2(q.shape[2])
+    # fp32's FMA dots over D in chunks (see _weighted_relu_dots); the interpreter takes
+    # one chunk (fewer interpreted ops), gpu_plan the GPU's.
+    fma_chunk = 0
+    if dot == tl.float32:
+        fma_chunk = block_d if interpreter_plan() else min(block_d, _FMA_CHUNK)
+    meta = (next_pow2(q.shape[1]), block_d, fp8, dot, fma_chunk)
     return (k_start.contiguous(), k_end.contiguous(), qs, ks), strides, meta
 
 
