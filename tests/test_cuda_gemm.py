@@ -160,7 +160,7 @@ def test_int4_k_steps(gemm, monkeypatch, scheme, step):
     """Each int4 K-step path whatever the interpreter picks: a step inside one group
     (exact integer partial sums, as on a GPU), and steps spanning groups (dequantised
     in registers), with group sizes that are no power of two."""
-    monkeypatch.setattr(gemm, "_int4_step", lambda group: (step[0], group % step[0] != 0))
+    monkeypatch.setattr(gemm, "_int4_step", lambda group, ieee: (step[0], group % step[0] != 0))
     groups = [64, 192] if not step[1] else [48, 24, 64]
     for gs in groups:
         if not step[1] and gs % step[0]:
@@ -169,6 +169,21 @@ def test_int4_k_steps(gemm, monkeypatch, scheme, step):
         wq, ws = packed_weight(w, scheme, gs)
         args = (x, wq, ws, scheme, gs)
         check_gemm("quant_gemm", torch.float32, args, gemm.quant_gemm(*args))
+
+
+def test_a_gpu_steps_int4_weights_by_exact_groups_and_fp32_by_32(gemm, cuda_module):
+    """The GPU's K steps (the interpreter always takes 128): the largest power of two
+    dividing the group, at most 128 (32 for float32's FMA dots), or 64 spanning groups."""
+    runtime = cuda_module("runtime")
+    with runtime.gpu_plan():
+        got = {(g, ieee): gemm._int4_step(g, ieee) for g in (128, 64, 192, 48) for ieee in (0, 1)}
+    assert got == {
+        (128, 0): (128, False), (128, 1): (32, False),
+        (64, 0): (64, False), (64, 1): (32, False),
+        (192, 0): (64, False), (192, 1): (32, False),
+        (48, 0): (64, True), (48, 1): (64, True),
+    }  # fmt: skip
+    assert gemm._int4_step(32, True) == (128, True)  # the interpreter's own plan
 
 
 def test_fp8_gemm_as_bytes(gemm, monkeypatch):

@@ -259,15 +259,16 @@ def _gemm_kernel(
     tl.store(y_ptrs, runtime.rounded_to(acc, y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def _int4_step(group: int) -> tuple[int, bool]:
+def _int4_step(group: int, ieee: bool) -> tuple[int, bool]:
     """K step for int4 weights with ``group``-column scale groups, and whether steps
     span groups (dequantise in registers). On a GPU the largest power of two that
-    divides the group (32..128), so each step's integer sum is exact; under the
+    divides the group (32..128), so each step's integer sum is exact, and 32 for
+    float32 activations (``ieee``: FMA dots, which spill kilobytes at 128); under the
     interpreter always 128 (fewer, larger steps are what it is fast at)."""
     if runtime.interpreter_plan():
         step = 128
     else:
-        step = min(group & -group, 128)  # lowest set bit: a power of two dividing it
+        step = min(group & -group, 32 if ieee else 128)  # lowest set bit: divides it
         if step < 32:
             step = 64
     return step, group % step != 0
@@ -308,7 +309,7 @@ def _gemm(
     sa2 = sa[:, None] if sa.dim() == 1 else sa
     sb3 = sb[..., None] if sb.dim() == 2 else sb
     group = {_FP8: FP8_BLOCK, _W4A8: k // sb3.shape[-1], _W4A16: k // sb3.shape[-1]}.get(sid, k)
-    int4_k, w4_dequant = _int4_step(group)
+    int4_k, w4_dequant = _int4_step(group, dot_dtype == tl.float32)
     even_k = k % (int4_k if sid in (_W4A8, _W4A16) else 128) == 0
     grouped = offsets is not None
     # BLOCK_M follows the rows per expert (16..128), so small experts waste few MMA rows
