@@ -79,8 +79,11 @@ _MERGE_FAN = 8
 # the splits' lists one launch may hold (queries in chunks beyond).
 _MAX_SORT = 2048
 _PART_BYTES = 1 << 28
-# D per fp32 FMA dot: 32 spills nothing where all of D = 128 spilled 4-7 KB (sm_90a).
-_FMA_CHUNK = 32
+# D per fp32 FMA dot, the widest whose default configs spill nothing on sm_90a and
+# sm_100a at GLM-5's shapes (all of D = 128 spilled 4-7 KB): the top-k kernel also
+# holds its sorted buffer in registers.
+_LOGITS_FMA_CHUNK = 32
+_TOPK_FMA_CHUNK = 16
 _INTERPRETER_SMS = 4
 _INTERPRETER_MIN_SPLIT_KEYS = 1024
 
@@ -124,7 +127,7 @@ def _weighted_relu_dots(
     ``FMA_CHUNK`` > 0 (fp32: IEEE dots on the FMA units): the dot runs over ``Di`` in
     chunks of that width, ``q``'s rows read again from ``q_rows [M]`` (pointers, masked
     by ``q_mask``): one FMA dot over all of ``Di`` holds both operands' rows in
-    registers and spills kilobytes; chunks of 32 spill nothing."""
+    registers and spills kilobytes; chunks of 16-32 spill nothing."""
     if FMA_CHUNK > 0:
         dots = tl.zeros([offs_n.shape[0], w.shape[0]], tl.float32)
         for d0 in tl.static_range(0, offs_d.shape[0], FMA_CHUNK):
@@ -454,9 +457,10 @@ def _merge_kernel(
         tl.store(merged_ptr + (t * groups + g) * TILE + pos, best)
 
 
-def _common_args(q, k, weights, k_start, k_end, q_scale, k_scale) -> tuple:
-    """Pointers, strides and constexprs shared by both kernels' launches. ``k_start``
-    and ``k_end`` are cheap ``[T]`` vectors, made contiguous (unit stride)."""
+def _common_args(q, k, weights, k_start, k_end, q_scale, k_scale, fma_chunk: int) -> tuple:
+    """Pointers, strides and constexprs shared by both kernels' launches, float32's
+    dots over D in chunks of ``fma_chunk`` on a GPU. ``k_start`` and ``k_end`` are
+    cheap ``[T]`` vectors, made contiguous (unit stride)."""
     fp8 = q.dtype == FP8_DTYPE
     dot = _dot_dtype(q.dtype, q.device)
     qs = q_scale if fp8 else weights  # never read without FP8
@@ -471,10 +475,10 @@ def _common_args(q, k, weights, k_start, k_end, q_scale, k_scale) -> tuple:
     block_d = next_pow2(q.shape[2])
     # fp32's FMA dots over D in chunks (see _weighted_relu_dots); the interpreter takes
     # one chunk (fewer interpreted ops), gpu_plan the GPU's.
-    fma_chunk = 0
+    chunk = 0
     if dot == tl.float32:
-        fma_chunk = block_d if interpreter_plan() else min(block_d, _FMA_CHUNK)
-    meta = (next_pow2(q.shape[1]), block_d, fp8, dot, fma_chunk)
+        chunk = block_d if interpreter_plan() else min(block_d, fma_chunk)
+    meta = (next_pow2(q.shape[1]), block_d, fp8, dot, chunk)
     return (k_start.contiguous(), k_end.contiguous(), qs, ks), strides, meta
 
 
@@ -501,7 +505,7 @@ def indexer_logits(
     if t == 0 or n == 0:
         return out
     (starts, ends, qs, ks), strides, meta = _common_args(
-        q, k, weights, k_start, k_end, q_scale, k_scale
+        q, k, weights, k_start, k_end, q_scale, k_scale, _LOGITS_FMA_CHUNK
     )
     grid = lambda m: (triton.cdiv(t, m["BLOCK_T"]) * triton.cdiv(n, m["BLOCK_N"]),)  # noqa: E731
     _logits_kernel[grid](q, k, weights, starts, ends, qs, ks, out, t, n, hi, di, *strides, *meta)
@@ -539,7 +543,7 @@ def lightning_indexer(
     split_len = plan_key_split(t, n, width, q.device)
     if split_len >= n:
         (starts, ends, qs, ks), strides, meta = _common_args(
-            q, k, weights, k_start, k_end, q_scale, k_scale
+            q, k, weights, k_start, k_end, q_scale, k_scale, _TOPK_FMA_CHUNK
         )
         _lightning_kernel[(t, 1)](
             q, k, weights, starts, ends, qs, ks, indices, scores, indices,
@@ -554,7 +558,7 @@ def lightning_indexer(
         c = slice(r, r + rows)
         (starts, ends, qs, ks), strides, meta = _common_args(
             q[c], k, weights[c], k_start[c], k_end[c],
-            None if q_scale is None else q_scale[c], k_scale,
+            None if q_scale is None else q_scale[c], k_scale, _TOPK_FMA_CHUNK,
         )  # fmt: skip
         part = torch.empty(
             (starts.shape[0], splits, 1 << log_split), dtype=torch.int64, device=q.device
