@@ -144,9 +144,14 @@ def test_glm5_attention_and_fp8_indexer_compile_to_hopper_and_blackwell_mmas(tmp
     """At GLM-5's shapes: bf16 absorbed-MLA attention (the latent path, 64 heads a
     program) lowers to wgmma on sm_90a and tcgen05 on sm_100a, its default config
     without spills on sm_90a; the fp8 indexer's keys-as-rows dots are e4m3 wgmma on
-    sm_90a and, by default, f8f6f4 tcgen05 on sm_100a."""
+    sm_90a and, by default, f8f6f4 tcgen05 on sm_100a; float32's FMA paths (indexer
+    at 64 heads, logits, W4A16) spill nothing in their default configs."""
     out = tmp_path / "compile.json"
-    cases = "sparse_attention-glm5_absorbed-bfloat16,lightning_indexer-glm5-float8_e4m3fn"
+    fp32 = ("lightning_indexer-heads64-float32", "indexer_logits-glm5-float32")
+    fp32 += ("quant_gemm-glm5-float32-w4a16",)
+    cases = ",".join(
+        ("sparse_attention-glm5_absorbed-bfloat16", "lightning_indexer-glm5-float8_e4m3fn", *fp32)
+    )
     args = ("--families", "glm5", "--arch", "90,100", "--cases", cases)
     rows = run_bench_json("cuda_compile.py", out, *args, idle_s=300)["rows"]
     assert [r for r in rows if "error" in r] == []
@@ -156,10 +161,18 @@ def test_glm5_attention_and_fp8_indexer_compile_to_hopper_and_blackwell_mmas(tmp
     assert all(r["mma"] == "wgmma" for (arch, _), r in attention.items() if arch == "sm_90a")
     assert all(r["mma"] == "tcgen05" for (arch, _), r in attention.items() if arch == "sm_100a")
     assert attention[("sm_90a", 0)]["spill_stores"] == 0
-    scores = {(r["arch"], r["config"]): r for r in rows if r["kernel"] == "_lightning_kernel"}
+    scores = {
+        (r["arch"], r["config"]): r
+        for r in rows
+        if r["kernel"] == "_lightning_kernel" and r["case"].endswith("float8_e4m3fn")
+    }
     hopper = [r["mma_op"] for (arch, _), r in scores.items() if arch == "sm_90a"]
     assert hopper and all(op.startswith("wgmma") and ".e4m3.e4m3" in op for op in hopper), hopper
     assert scores[("sm_100a", 0)]["mma_op"] == "tcgen05.mma.cta_group::1.kind::f8f6f4"
+    # float32's FMA dots (indexer over D in chunks, W4A16 K steps of 32): no default spills.
+    defaults = [r for r in rows if r["case"] in fp32 and r["config"] == 0]
+    assert {r["case"] for r in defaults} == set(fp32)
+    assert [(r["arch"], r["case"], r["spill_stores"]) for r in defaults if r["spill_stores"]] == []
 
 
 @pytest.mark.parametrize(
