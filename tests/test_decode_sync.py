@@ -58,7 +58,10 @@ def _is_mask(index: object) -> bool:
 class _HostReadCounter(TorchFunctionMode):
     """Counts, by ``(what, calling module)``, the calls that read a tensor's value on
     the host, made by any code but modules under ``exempt``. The calling module is the
-    first frame outside torch (``F.linear`` calling a method counts for its caller)."""
+    first frame outside torch (a read made by torch's own Python code, such as an
+    ``nn.Module``'s, counts for the code that called into it). Not seen: reads inside
+    the body of a torch function (torch pops the mode while one runs) and reads made
+    in C++, neither of which the model's or glmport's ops' own code is."""
 
     def __init__(self, exempt: str) -> None:
         super().__init__()
