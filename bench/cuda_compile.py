@@ -166,6 +166,13 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
     }
 
 
+def traps_unconditionally(ptx: str) -> bool:
+    """Whether the kernel can only trap: no ``ret`` anywhere. Triton lowers a kernel
+    whose resources cannot be allocated (tensor memory past its 512 columns on sm_100)
+    to a bare ``trap;`` without an error, which ptxas accepts at 4 registers."""
+    return re.search(r"\bret;", ptx) is None
+
+
 def mma_kind(ptx: str) -> str:
     """The tensor-core instruction the kernel's dots lower to, or ``fma`` (none)."""
     for kind, needle in (("tcgen05", "tcgen05.mma"), ("wgmma", "wgmma.mma_async"),
@@ -233,16 +240,22 @@ def compile_cases(
                         row["duplicate_of"] = first_config  # two configs, one binary
                     seen.setdefault(key, (case.id, config))
                     ptx = kernel.asm["ptx"]
-                    try:
-                        # Triton's shared memory is dynamic: its own count, not ptxas's.
-                        row.update(
-                            ptxas_usage(ptx, arch),
-                            shared_bytes=kernel.metadata.shared,
-                            mma=mma_kind(ptx),
-                            mma_op=mma_instruction(ptx),
+                    if traps_unconditionally(ptx):
+                        row["error"] = (
+                            "compiled to an unconditional trap (no ret): a resource it "
+                            "needs (tensor or shared memory) cannot be allocated"
                         )
-                    except RuntimeError as e:
-                        row["error"] = str(e)
+                    else:
+                        try:
+                            # Triton's shared memory is dynamic: its own count, not ptxas's.
+                            row.update(
+                                ptxas_usage(ptx, arch),
+                                shared_bytes=kernel.metadata.shared,
+                                mma=mma_kind(ptx),
+                                mma_op=mma_instruction(ptx),
+                            )
+                        except RuntimeError as e:
+                            row["error"] = str(e)
                 rows.append(row)
                 print(_line(row), file=sys.stderr, flush=True)
     return rows

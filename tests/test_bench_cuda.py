@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -192,3 +194,54 @@ def test_the_mma_kind_and_opcode_are_read_off_the_ptx(ptx, kind, monkeypatch):
     assert module.mma_kind(ptx) == kind
     opcode = module.mma_instruction(f"  ld.shared.u32 %r1;\n  {ptx} {{%f1}};")
     assert opcode == (None if kind == "fma" else ptx.split()[0]), opcode
+
+
+# Three [128, 256] float32 accumulators need 768 tensor-memory columns (sm_100 has 512).
+_TRAPPING_KERNEL = """
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+sys.path.insert(0, sys.argv[1])
+from cuda_compile import traps_unconditionally
+
+@triton.jit
+def three_accumulators(a_ptr, b_ptr, out_ptr, K):
+    rows = tl.arange(0, 128)
+    cols = tl.arange(0, 256)
+    acc0 = tl.zeros([128, 256], tl.float32)
+    acc1 = tl.zeros([128, 256], tl.float32)
+    acc2 = tl.zeros([128, 256], tl.float32)
+    for k0 in range(0, K, 16):
+        ks = k0 + tl.arange(0, 16)
+        a = tl.load(a_ptr + rows[:, None] * K + ks[None, :])
+        b = tl.load(b_ptr + ks[:, None] * 256 + cols[None, :])
+        acc0 = tl.dot(a, b, acc0)
+        acc1 = tl.dot(a, b, acc1 * 0.5)
+        acc2 = tl.dot(a, b, acc2 * 0.25)
+    out = out_ptr + rows[:, None] * 256 + cols[None, :]
+    tl.store(out, acc0)
+    tl.store(out + 128 * 256, acc1)
+    tl.store(out + 2 * 128 * 256, acc2)
+
+signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "K": "i32"}
+source = triton.compiler.ASTSource(fn=three_accumulators, signature=signature)
+for arch in (90, 100):
+    ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    print(arch, traps_unconditionally(ptx))
+"""
+
+
+def test_a_kernel_compiled_to_a_bare_trap_is_an_error_not_a_four_register_row(tmp_path):
+    """Triton lowers a kernel whose accumulators do not fit sm_100's tensor memory to
+    ``trap;`` without raising (ptxas then reports 4 registers, no spill): the compile
+    table must call that an error. On sm_90 the same kernel keeps them in registers."""
+    script = tmp_path / "trapping.py"
+    script.write_text(_TRAPPING_KERNEL)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(BENCH)], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["90", "False", "100", "True"], done.stdout
