@@ -17,7 +17,11 @@ import torch
 
 import glmport
 from glmport.backends.ascend import BACKEND, emulator, gemm
-from glmport.backends.ascend.chips import chip_generation
+from glmport.backends.ascend.chips import (
+    chip_generation,
+    indexer_takes_any_heads,
+    torch_npu_release,
+)
 from glmport.cli import main
 from glmport.conformance.cases import all_cases
 from glmport.core import selection
@@ -47,6 +51,32 @@ def test_chip_generation_from_the_soc_name(soc, generation):
     assert chip_generation(soc) == generation
 
 
+@pytest.mark.parametrize(
+    ("package", "release", "any_heads"),
+    [  # Ascend/pytorch COMPATIBILITY.md: package version -> TorchNPU release
+        ("2.12.0", (26, 1, 0), True),
+        ("2.11.0.post2", (26, 1, 0), True),
+        ("2.10.0.post4", (26, 1, 0), True),
+        ("2.10.0", (26, 0, 0), False),
+        ("2.9.0.post6", (26, 1, 0), True),
+        ("2.9.0.post2", (26, 0, 0), False),
+        ("2.9.0", (7, 3, 0), False),
+        ("2.8.0.post4", (26, 0, 0), False),
+        ("2.8.0.post2", (7, 3, 0), False),
+        ("2.7.1.post10", (26, 1, 0), True),
+        ("2.7.1.post4+gitabc", (26, 0, 0), False),
+        ("2.6.0.post5", (7, 3, 0), False),
+        ("2.5.1", (7, 0, 0), False),
+        ("2.13.0", (26, 1, 0), True),  # newer than the table: its newest release
+        ("2.1.0.post17", None, False),  # older than the table
+        ("dev", None, False),
+    ],
+)
+def test_the_torch_npu_version_names_its_release_and_indexer_contract(package, release, any_heads):
+    assert torch_npu_release(package) == release
+    assert indexer_takes_any_heads(package) is any_heads
+
+
 def test_without_torch_npu_the_probe_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     avail = BACKEND.probe(emulate=False)
@@ -65,6 +95,9 @@ def _fake_torch_npu(monkeypatch, soc: str, *, available: bool = True, lacks: tup
     device = types.SimpleNamespace(is_available=lambda: available, get_device_name=lambda: soc)
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(torch, "npu", device, raising=False)
+    # The start-up check's tensors: the stand-in's ops are the emulator's (CPU).
+    monkeypatch.setattr("glmport.backends.ascend.npu_device", lambda: torch.device("cpu"))
+    return fake
 
 
 @pytest.mark.parametrize("soc", ["Ascend910B3", "Ascend910_9391"])
@@ -73,6 +106,29 @@ def test_the_probe_accepts_atlas_a2_and_a3(monkeypatch, soc):
     avail = BACKEND.probe(emulate=False)
     assert avail.ok and not avail.emulated
     assert soc in avail.reason and "torch_npu 2.11.0.post1" in avail.reason
+    # The start-up check ran and its findings are in the reason.
+    assert "indexer N1 <= 64, fp32 weights, batch-relative indices" in avail.reason
+
+
+def test_the_probe_reports_an_older_indexer_contract_and_global_positions(monkeypatch):
+    fake = _fake_torch_npu(monkeypatch, "Ascend910B3")
+    fake.__version__ = "2.9.0"  # TorchNPU 7.3.0: the pages before 2026-03
+    with emulator.emulated_build(emulator.EmulatedBuild("2.9.0", indexer_positions="global")):
+        avail = BACKEND.probe(emulate=False)
+    assert avail.ok and "indexer N1 = 64 only, global-relative indices" in avail.reason
+
+
+def test_a_start_up_check_answered_in_no_known_convention_refuses_the_npu(monkeypatch):
+    fake = _fake_torch_npu(monkeypatch, "Ascend910_9391")
+
+    def stale(query, key, weights, **kwargs):
+        indices = torch.zeros(query.shape[0], 1, kwargs["sparse_count"], dtype=torch.int32)
+        return indices, query.new_empty(0)
+
+    fake.npu_lightning_indexer = stale
+    avail = BACKEND.probe(emulate=False)
+    assert not avail.ok and "start-up check of npu_lightning_indexer failed" in avail.reason
+    assert "[0, 0]" in avail.reason
 
 
 @pytest.mark.parametrize("soc", ["Ascend310P3", "Ascend950PR_9579", "Ascend910ProB", "Mystery1"])

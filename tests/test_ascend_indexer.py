@@ -12,8 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glmport.backends.ascend import BACKEND
+from glmport.backends.ascend import emulator as emulator_ops
 from glmport.backends.ascend import indexer as ascend
+from glmport.backends.ascend.emulator import EmulatedBuild, NpuContractError, emulated_build
 from glmport.backends.ascend.emulator import indexer as emulator
+from glmport.backends.ascend.emulator.build import BEFORE_2026_03
+from glmport.backends.ascend.profile import detect_profile
 from glmport.conformance.judges import JUDGES
 from glmport.core.registry import REGISTRY
 
@@ -270,3 +275,84 @@ def test_all_ranges_empty_do_not_call_the_op():
 )
 def test_sparse_count_for_takes_the_next_documented_value(width, expected):
     assert ascend.sparse_count_for(width) == expected
+
+
+# -- builds with other conventions: older pages, global indices ----------------------
+
+BUILDS = {
+    "newest": EmulatedBuild(),
+    "newest-global": EmulatedBuild(indexer_positions="global"),
+    "before-2026-03": EmulatedBuild(BEFORE_2026_03),
+    "before-2026-03-global": EmulatedBuild(BEFORE_2026_03, indexer_positions="global"),
+}
+
+
+def test_a_build_before_2026_03_refuses_fewer_than_64_heads_and_fp32_weights():
+    q, k, w = _inputs(2, 32, 8, torch.bfloat16)
+    lengths = torch.tensor([2], dtype=torch.int32)
+    kwargs = dict(
+        actual_seq_lengths_query=lengths,
+        actual_seq_lengths_key=torch.tensor([8], dtype=torch.int32),
+        layout_query="TND",
+        layout_key="TND",
+        sparse_count=4,
+    )
+    key = k.unsqueeze(1)
+    with emulated_build(BUILDS["before-2026-03"]):
+        with pytest.raises(NpuContractError, match="N1 must be 64"):
+            emulator.npu_lightning_indexer(q, key, w.to(q.dtype), **kwargs)
+        q64, w64 = _inputs(2, 64, 8, torch.bfloat16)[::2]
+        with pytest.raises(NpuContractError, match="weights must have query's dtype"):
+            emulator.npu_lightning_indexer(q64, key, w64, **kwargs)
+        emulator.npu_lightning_indexer(q64, key, w64.to(q.dtype), **kwargs)
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=list(BUILDS))
+def test_the_start_up_check_measures_the_emulated_build(build):
+    with emulated_build(BUILDS[build]):
+        profile = detect_profile(emulator_ops, torch.device("cpu"))
+    assert profile.indexer_any_heads == (not build.startswith("before"))
+    assert profile.indexer_positions == ("global" if build.endswith("global") else "batch")
+    assert profile.version == BUILDS[build].version
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=list(BUILDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_adapters_take_every_build_with_the_profile_it_measures(build, dtype):
+    """32 heads with fp32 weights (GLM-5's indexer) on every build: padded to 64
+    zero-weight heads with weights in q's dtype on the older pages, global positions
+    shifted back to slots, multi-batch calls in both modes and a gathered key copy."""
+    q, k, w = _inputs(9, 32, 40, dtype, seed=12)
+    # Three decode queries (one causal call of three batches), then a shared run and
+    # unordered ranges (mode 0, keys gathered).
+    start, end = _ranges(
+        (0, 4), (4, 13), (13, 19), (20, 35), (20, 35), (30, 40), (0, 12), (25, 33), (25, 33)
+    )
+    with emulated_build(BUILDS[build]):
+        profile = detect_profile(emulator_ops, torch.device("cpu"))
+        idx, scores = ascend.lightning_indexer(emulator, q, k, w, start, end, 6, profile=profile)
+        logits = ascend.indexer_logits(emulator, q, k, w, start, end, profile=profile)
+    ref_idx, ref_scores = _reference("lightning_indexer", q, k, w, start, end, 6, None, None)
+    (ref_logits,) = _reference("indexer_logits", q, k, w, start, end, None, None)
+    assert torch.equal(idx, ref_idx), (idx, ref_idx)
+    assert torch.equal(scores, ref_scores) and torch.equal(logits, ref_logits)
+
+
+def test_global_positions_read_as_batch_relative_would_be_wrong():
+    """The conversion matters: the default profile on a global build picks wrong slots."""
+    q, k, w = _inputs(3, 32, 19, torch.bfloat16, seed=2)
+    start, end = _packed([4, 9, 6], [1, 1, 1])
+    with emulated_build(BUILDS["newest-global"]):
+        idx, _ = ascend.lightning_indexer(emulator, q, k, w, start, end, 8)
+    ref_idx, _ = _reference("lightning_indexer", q, k, w, start, end, 8, None, None)
+    assert not torch.equal(idx, ref_idx)
+
+
+def test_backend_kernels_bind_the_profile_of_the_emulated_build():
+    q, k, w = _inputs(3, 32, 19, torch.float16, seed=3)
+    start, end = _packed([4, 9, 6], [1, 1, 1])
+    with emulated_build(BUILDS["before-2026-03-global"]):
+        kernels = BACKEND.load_kernels(True)
+        idx, scores = kernels["lightning_indexer"](q, k, w, start, end, 5, None, None)
+    ref_idx, ref_scores = _reference("lightning_indexer", q, k, w, start, end, 5, None, None)
+    assert torch.equal(idx, ref_idx) and torch.equal(scores, ref_scores)

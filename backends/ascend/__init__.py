@@ -45,6 +45,11 @@ def torch_npu_namespace(emulate: bool) -> ModuleType:
     return importlib.import_module("torch_npu")
 
 
+def npu_device() -> torch.device:
+    """The NPU the start-up check runs on (the current one)."""
+    return torch.device("npu")
+
+
 class AscendBackend(Backend):
     manifest = BackendManifest(
         name="ascend",
@@ -139,17 +144,32 @@ class AscendBackend(Backend):
                 f"torch_npu {torch_npu.__version__} lacks {', '.join(lacking)}: upgrade "
                 "torch_npu and CANN",
             )
+        from .profile import detect_profile
+
+        try:  # the start-up check: a tiny indexer call on the NPU
+            profile = detect_profile(torch_npu, npu_device())
+        except Exception as err:
+            return Availability(
+                False,
+                f"torch_npu {torch_npu.__version__} on {soc}: the start-up check of "
+                f"npu_lightning_indexer failed ({type(err).__name__}: {err})",
+            )
         return Availability(
-            True, f"torch_npu {torch_npu.__version__} on {soc} (Atlas {generation})"
+            True,
+            f"torch_npu {torch_npu.__version__} on {soc} (Atlas {generation}); "
+            f"{profile.describe()}",
         )
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         from . import attention, gemm, indexer, moe, norm_rope
+        from .profile import detect_profile
 
         npu = torch_npu_namespace(emulate)
+        # The build's conventions, measured once per load (a tiny indexer call).
+        profile = detect_profile(npu, torch.device("cpu") if emulate else npu_device())
         adapters = {
-            "lightning_indexer": indexer.lightning_indexer,
-            "indexer_logits": indexer.indexer_logits,
+            "lightning_indexer": functools.partial(indexer.lightning_indexer, profile=profile),
+            "indexer_logits": functools.partial(indexer.indexer_logits, profile=profile),
             "sparse_attention": attention.sparse_attention,
             "moe_gate": moe.moe_gate,
             "moe_dispatch": moe.moe_dispatch,

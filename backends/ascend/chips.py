@@ -30,3 +30,62 @@ def chip_generation(soc_name: str) -> str | None:
         if pattern.match(soc_name):
             return name
     return None
+
+
+# What torch_npu builds document, by TorchNPU product release (install package version ->
+# release: Ascend/pytorch COMPATIBILITY.md and docs/zh/release_notes.md, read 2026-12).
+# The lightning indexer's page allowed exactly N1 = 64 query heads with weights in the
+# query's dtype until 2026-03; "N1 <= 64" with float32 weights arrived 2026-03-13 /
+# 03-24 (Ascend/op-plugin history), first shipped in TorchNPU 26.1.0 (2026-07, CANN 9.1).
+# 26.0.0 (CANN 9.0) is treated as older: its page was not read, and the older call
+# (64 heads, weights in the query's dtype) is valid under both.
+INDEXER_ANY_HEADS_FROM = (26, 1, 0)
+# (PyTorch base, first .postN of that base in the release) -> TorchNPU release, newest first.
+_RELEASES = (
+    ((2, 12, 0), 0, (26, 1, 0)),
+    ((2, 11, 0), 0, (26, 1, 0)),
+    ((2, 10, 0), 4, (26, 1, 0)),
+    ((2, 10, 0), 0, (26, 0, 0)),
+    ((2, 9, 0), 6, (26, 1, 0)),
+    ((2, 9, 0), 2, (26, 0, 0)),
+    ((2, 9, 0), 0, (7, 3, 0)),
+    ((2, 8, 0), 4, (26, 0, 0)),
+    ((2, 8, 0), 2, (7, 3, 0)),
+    ((2, 8, 0), 0, (7, 2, 0)),
+    ((2, 7, 1), 8, (26, 1, 0)),
+    ((2, 7, 1), 4, (26, 0, 0)),
+    ((2, 7, 1), 2, (7, 3, 0)),
+    ((2, 7, 1), 0, (7, 2, 0)),
+    ((2, 6, 0), 5, (7, 3, 0)),
+    ((2, 6, 0), 3, (7, 2, 0)),
+    ((2, 6, 0), 0, (7, 1, 0)),
+    ((2, 5, 1), 1, (7, 1, 0)),
+    ((2, 5, 1), 0, (7, 0, 0)),
+)
+_PACKAGE = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?")
+
+
+def torch_npu_release(package_version: str) -> tuple[int, int, int] | None:
+    """The TorchNPU product release (``(26, 1, 0)``) an installed torch_npu package
+    version (``"2.7.1.post8"``, ``torch_npu.__version__``; a ``+`` local part or rc tag
+    is ignored) belongs to: the newest release whose first package of that PyTorch base
+    it reaches. A PyTorch base newer than the table's counts as the newest release;
+    an older or unreadable one is None (treated as the oldest contract)."""
+    found = _PACKAGE.match(package_version)
+    if found is None:
+        return None
+    major, minor, patch, post = (int(g) if g else 0 for g in found.groups())
+    base = (major, minor, patch)
+    if base > _RELEASES[0][0]:
+        return _RELEASES[0][2]
+    for table_base, first_post, release in _RELEASES:
+        if base == table_base and post >= first_post:
+            return release
+    return None
+
+
+def indexer_takes_any_heads(package_version: str) -> bool:
+    """Whether the build's lightning indexer documents ``N1 <= 64`` query heads with
+    float32 weights (else exactly 64, weights in the query's dtype)."""
+    release = torch_npu_release(package_version)
+    return release is not None and release >= INDEXER_ANY_HEADS_FROM

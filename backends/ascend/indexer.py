@@ -34,7 +34,11 @@ a ``topk`` between is requested as the next step and trimmed), and for
 
 ``return_value=True`` is documented for non-paged keys only and, on A2 / A3, not in
 graph mode. The pages before March 2026 allowed only N1 = 64 and weights in the query's
-dtype; these adapters follow the current page (N1 <= 64, fp32 weights).
+dtype: on such a build (:class:`~.profile.NpuProfile`, from the torch_npu version) the
+query is padded to 64 heads whose weights are 0 (``relu(0 . k) = 0``: the scores do not
+change) and the weights are passed in the query's dtype. What a multi-batch call's
+indices count from is undocumented; the start-up check (:mod:`.profile`) measures it
+and the adapters convert either convention to global slots.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from typing import Any
 import torch
 
 from glmport.backends.cpu.indexer import clamp_key_ranges
+
+from .profile import GLOBAL, INDEXER_HEADS, NEWEST_PAGES, NpuProfile
 
 # Every score of an fp16 call stays below this (fp16's largest finite value is 65504).
 _FP16_SAFE = 2.0**15
@@ -137,10 +143,12 @@ def _selections(
     k_start: torch.Tensor,
     k_end: torch.Tensor,
     cap: int,
+    profile: NpuProfile,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(rows [Tc], slots [Tc, C] int64, scores [Tc, C] fp32)`` per op call: each
     query's best ``min(cap, its range length)`` keys as global slots (``-1`` / ``-inf``
-    after them), in the op's order. ``N >= 1``, ``T >= 1``."""
+    after them), in the op's order, as ``profile``'s build takes and answers the call.
+    ``N >= 1``, ``T >= 1``."""
     # Meta mode leaves ranges unchecked: cut them to [0, N] (the identity otherwise).
     k_start, k_end = clamp_key_ranges(k_start, k_end, k.shape[0])
     # Host copy (one sync): the op takes per-batch sequence lengths, and the batches
@@ -149,6 +157,8 @@ def _selections(
     scale = None
     if q.dtype == torch.float16:
         weights, scale = _fp16_weights(q, k, weights)
+    if not profile.indexer_any_heads:
+        q, weights = _padded_heads(q, weights)
     device = q.device
     out = []
     for call in _plan(start, end):
@@ -178,11 +188,23 @@ def _selections(
         values = values.reshape(-1, sparse_count).float()
         if scale is not None:
             values = values * scale.index_select(0, rows)[:, None]
-        offset = torch.repeat_interleave(call.key_start, call.counts).to(device)
+        # The op's positions count from each batch's keys or from the packed key tensor.
+        offset = call.key_start
+        if profile.indexer_positions == GLOBAL:
+            offset = offset - (lengths.cumsum(0) - lengths)
+        offset = torch.repeat_interleave(offset, call.counts).to(device)
         valid = indices >= 0  # the value of a -1 slot is undocumented: ignore it
         slots = torch.where(valid, indices + offset[:, None], -1)
         out.append((rows, slots, torch.where(valid, values, float("-inf"))))
     return out
+
+
+def _padded_heads(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, 64, 128]`` and ``weights [T, 64]`` in q's dtype for a build that takes
+    exactly 64 heads: the added heads are zero queries with zero weights."""
+    pad = INDEXER_HEADS - q.shape[1]
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+    return q, torch.nn.functional.pad(weights, (0, pad)).to(q.dtype)
 
 
 def _best_first(slots: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +226,8 @@ def lightning_indexer(
     topk: int,
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
+    *,
+    profile: NpuProfile = NEWEST_PAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """glmport's ``lightning_indexer`` on ``npu.npu_lightning_indexer`` (TND layouts,
     one batch per run of queries, see the module docstring).
@@ -216,6 +240,8 @@ def lightning_indexer(
         k_start, k_end: ``[T]`` int32 key ranges (clamped to ``[0, N]``).
         topk: ``1 .. 8192``.
         q_scale, k_scale: None (fp8 is not declared).
+        profile: the build's conventions (default: the newest pages, batch-relative
+            indices); the backend passes the one measured at start-up.
 
     Returns:
         ``indices [T, topk]`` int32 slots of ``k`` best first (ties to the lower slot)
@@ -230,7 +256,7 @@ def lightning_indexer(
     scores = torch.full((t, topk), float("-inf"), dtype=torch.float32, device=q.device)
     if t == 0 or n == 0:
         return indices, scores  # the op takes no empty tensor
-    for rows, slots, values in _selections(npu, q, k, weights, k_start, k_end, topk):
+    for rows, slots, values in _selections(npu, q, k, weights, k_start, k_end, topk, profile):
         slots, values = _best_first(slots, values)
         width = min(topk, slots.shape[1])  # a sparse_count above topk is trimmed
         indices[rows, :width] = slots[:, :width].to(torch.int32)
@@ -247,19 +273,21 @@ def indexer_logits(
     k_end: torch.Tensor,
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
+    *,
+    profile: NpuProfile = NEWEST_PAGES,
 ) -> torch.Tensor:
     """glmport's ``indexer_logits`` on ``npu.npu_lightning_indexer``: a ``sparse_count``
     covering every range returns every score of it (``N <= 8192``, the largest
     ``sparse_count``), scattered into ``[T, N]`` fp32 with ``-inf`` outside the ranges.
 
-    Same inputs as :func:`lightning_indexer` without ``topk``; the scores are the op's
-    bf16 / fp16 values. Docs: as :func:`lightning_indexer`.
+    Same inputs as :func:`lightning_indexer` without ``topk`` (``profile`` likewise);
+    the scores are the op's bf16 / fp16 values. Docs: as :func:`lightning_indexer`.
     """
     t, n = q.shape[0], k.shape[0]
     logits = torch.full((t, n), float("-inf"), dtype=torch.float32, device=q.device)
     if t == 0 or n == 0:
         return logits
-    for rows, slots, values in _selections(npu, q, k, weights, k_start, k_end, n):
+    for rows, slots, values in _selections(npu, q, k, weights, k_start, k_end, n, profile):
         # -1 slots write their -inf to a spare column N.
         part = torch.full((rows.numel(), n + 1), float("-inf"), device=q.device)
         part.scatter_(1, torch.where(slots < 0, n, slots), values)

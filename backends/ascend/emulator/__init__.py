@@ -12,6 +12,7 @@ either. Arithmetic is float32 (the NPU's accumulation precision) on CPU tensors.
 """
 
 from .attention import npu_sparse_flash_attention
+from .build import EmulatedBuild, current_build, emulated_build
 from .contract import NpuContractError
 from .gemm import (
     npu_convert_weight_to_int4pack,
@@ -24,7 +25,10 @@ from .moe import npu_moe_finalize_routing, npu_moe_gating_top_k, npu_moe_init_ro
 from .norm_rope import npu_rms_norm, npu_rotary_mul
 
 __all__ = [
+    "EmulatedBuild",
     "NpuContractError",
+    "current_build",
+    "emulated_build",
     "npu_convert_weight_to_int4pack",
     "npu_grouped_matmul",
     "npu_lightning_indexer",
@@ -39,3 +43,10 @@ __all__ = [
 ]
 # The torch_npu ops the adapters call (the probe checks a real torch_npu has each).
 OPS = tuple(name for name in __all__ if name.startswith("npu_"))
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``: the emulated build's torch_npu version, like ``torch_npu``'s."""
+    if name == "__version__":
+        return current_build().version
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

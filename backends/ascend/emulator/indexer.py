@@ -14,16 +14,23 @@ heads on Atlas A2 / A3 (earlier pages and MindSpore: exactly 64, "only 64 in TND
 float32 ``weights`` allowed (earlier: the query's dtype), ``sparse_count`` in
 ``[1, 2048]`` or ``3072 .. 8192`` in steps of 1024 (earlier: ``[1, 2048]``).
 
+The emulated build (:mod:`.build`) picks the contract: a version before TorchNPU
+26.1.0 takes exactly 64 query heads with weights in the query's dtype.
+
 What the pages leave open and this emulator fixes (adapters must not rely on it):
 the order of ``sparse_indices`` within a row (CANN's own test compares them as sorted
-sets; here best first, ties to the lower key position, as its golden's stable sort)
-and the ``sparse_values`` of ``-1`` slots (here ``-inf``).
+sets; here best first, ties to the lower key position, as its golden's stable sort),
+the ``sparse_values`` of ``-1`` slots (here ``-inf``), and what the indices of a
+multi-batch TND call count from: each batch's own keys by default, the whole key
+tensor when the emulated build says ``indexer_positions="global"``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..chips import indexer_takes_any_heads
+from .build import current_build
 from .contract import cumulative_segments, require
 
 OP = "npu_lightning_indexer"
@@ -74,14 +81,16 @@ def npu_lightning_indexer(
     Returns:
         sparse_indices: int32 ``[B, S1, N2, sparse_count]`` (BSND query) or
         ``[T1, N2, sparse_count]`` (TND query): positions within the batch's own key
-        sequence (0-based), ``min(sparse_count, visible keys)`` of them, then ``-1``
+        sequence (0-based; in the whole TND key tensor under a ``"global"`` build),
+        ``min(sparse_count, visible keys)`` of them, then ``-1``
         (also every slot of a query row past ``actual_seq_lengths_query``).
         sparse_values: the matching scores in ``query``'s dtype, same shape (``-inf``
         at ``-1`` slots), or an empty ``[0]`` tensor unless ``return_value``.
 
     Raises ``NpuContractError`` where the documentation restricts an argument: dtypes
     (query / key bf16 or fp16 and equal; weights bf16 / fp16 / fp32, equal to query's
-    unless fp32), contiguity, empty tensors, N1 in ``[1, 64]`` (Atlas A2 / A3), N2 = 1,
+    unless fp32; equal before 26.1.0), contiguity, empty tensors, N1 in ``[1, 64]``
+    (Atlas A2 / A3; exactly 64 before 26.1.0), N2 = 1,
     D = 128, layouts and their combination, sequence lengths (int32, ``[0, S]`` or
     non-decreasing prefix sums ending at T), block_size a multiple of 16 up to 1024,
     block_table's shape, sparse_count in ``[1, 2048]`` or 3072 / 4096 / 5120 / 6144 /
@@ -112,7 +121,7 @@ def npu_lightning_indexer(
     rows = q_rows.shape[0]
     indices = torch.full((rows, sparse_count), -1, dtype=torch.int32)
     values = torch.full((rows, sparse_count), float("-inf"), dtype=torch.float32)
-    for q0, s1, keys in batches:
+    for q0, s1, keys, key_start in batches:
         s2 = keys.shape[0]
         dots = torch.einsum("sgd,nd->sgn", q_rows[q0 : q0 + s1], keys).relu()
         scores = torch.einsum("sg,sgn->sn", w_rows[q0 : q0 + s1], dots)  # [S1, S2]
@@ -127,6 +136,8 @@ def npu_lightning_indexer(
         best, order = torch.sort(scores, dim=1, descending=True, stable=True)
         width = min(sparse_count, s2)
         keep = torch.arange(width)[None, :] < visible.sum(dim=1, keepdim=True)
+        if current_build().indexer_positions == "global":
+            order = order + key_start
         indices[q0 : q0 + s1, :width] = torch.where(keep, order[:, :width], -1).to(torch.int32)
         values[q0 : q0 + s1, :width] = torch.where(keep, best[:, :width], float("-inf"))
     if layout_query == "BSND":
@@ -179,11 +190,19 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor)
         OP,
         f"key must have query's dtype {query.dtype}, got {key.dtype}",
     )
-    require(
-        weights.dtype in (query.dtype, torch.float32),
-        OP,
-        f"weights must be float32 or query's dtype {query.dtype}, got {weights.dtype}",
-    )
+    if indexer_takes_any_heads(current_build().version):
+        require(
+            weights.dtype in (query.dtype, torch.float32),
+            OP,
+            f"weights must be float32 or query's dtype {query.dtype}, got {weights.dtype}",
+        )
+    else:
+        require(
+            weights.dtype == query.dtype,
+            OP,
+            f"weights must have query's dtype {query.dtype} (pages before 2026-03), "
+            f"got {weights.dtype}",
+        )
     for name, t in (("query", query), ("key", key), ("weights", weights)):
         require(t.numel() > 0, OP, f"{name} must not be an empty tensor, got {list(t.shape)}")
         # Atlas A2 / A3: no non-contiguous query, key or weights.
@@ -223,9 +242,9 @@ def _check_length_tensor(lengths: object, name: str) -> None:
 def _batches(
     query, key, weights, block_table, act_q, act_k, layout_query, layout_key
 ) -> list[tuple[int, int, torch.Tensor]]:
-    """``(first query row, S1, keys [S2, D] float32)`` per batch, after the shape checks.
-
-    Query rows are counted in ``query.reshape(-1, N1, D)``."""
+    """``(first query row, S1, keys [S2, D] float32, first key row)`` per batch, after
+    the shape checks. Query rows are counted in ``query.reshape(-1, N1, D)``; the first
+    key row is the batch's offset in a TND key tensor (0 in the other layouts)."""
     if layout_query == "BSND":
         require(query.dim() == 4, OP, f"query must be [B, S1, N1, D], got {list(query.shape)}")
         b, s1 = query.shape[:2]
@@ -242,11 +261,18 @@ def _batches(
         q_starts = [s for s, _ in segments]
         q_lens = [e - s for s, e in segments]
     n1, d = query.shape[-2:]
-    require(
-        1 <= n1 <= MAX_QUERY_HEADS,
-        OP,
-        f"query's N1 must be at most {MAX_QUERY_HEADS} (Atlas A2 / A3), got {n1}",
-    )
+    if indexer_takes_any_heads(current_build().version):
+        require(
+            1 <= n1 <= MAX_QUERY_HEADS,
+            OP,
+            f"query's N1 must be at most {MAX_QUERY_HEADS} (Atlas A2 / A3), got {n1}",
+        )
+    else:
+        require(
+            n1 == MAX_QUERY_HEADS,
+            OP,
+            f"query's N1 must be {MAX_QUERY_HEADS} (pages before 2026-03), got {n1}",
+        )
     require(d == HEAD_DIM, OP, f"query's D must be {HEAD_DIM}, got {d}")
     w_shape = (*query.shape[:-2], n1)
     require(
@@ -273,13 +299,16 @@ def _batches(
             f"actual_seq_lengths_key must hold B={b} entries, got {len(segments)}",
         )
         keys = [flat_keys[s:e] for s, e in segments]
+        key_starts = [s for s, _ in segments]
     elif layout_key == "BSND":
         require(key.shape[0] == b, OP, f"key's B must be the query's {b}, got {key.shape[0]}")
         k_lens = _lengths(act_k, "actual_seq_lengths_key", b, key.shape[1], required=False)
         keys = [flat_keys[i, :n] for i, n in enumerate(k_lens)]
+        key_starts = [0] * b
     else:
         keys = _paged_keys(flat_keys, block_table, act_k, b)
-    return [(q_starts[i], q_lens[i], keys[i]) for i in range(b)]
+        key_starts = [0] * b
+    return [(q_starts[i], q_lens[i], keys[i], key_starts[i]) for i in range(b)]
 
 
 def _paged_keys(
