@@ -29,7 +29,7 @@ import glmport
 from glmport.core.errors import BackendUnavailableError, OpInputError, UnsupportedError
 from glmport.core.formats import FP8_DTYPE, SCHEMES
 from glmport.core.registry import PREPARABLE_OPS, REGISTRY, chain_for
-from glmport.core.selection import current_settings, resolve, use_backend
+from glmport.core.selection import current_settings, recording_fallbacks, resolve, use_backend
 from glmport.core.specs import OP_NAMES, SPECS
 
 from .badinput import BAD_INPUTS, BadInput
@@ -194,10 +194,12 @@ def run_check(check: Check, backend: str, *, emulate: bool | None = None) -> Rec
                     rec.ran_on, declined = _capability_fallback(res, c, device_for(dev_type).type)
                     if declined:
                         raise UnsupportedError(declined)
-            verdict = _RUNNERS[check.kind](check, device_for(dev_type), backend)
+            with recording_fallbacks() as fallbacks:
+                verdict = _RUNNERS[check.kind](check, device_for(dev_type), backend)
         rec.outcome = "pass" if verdict.ok else "fail"
         rec.reason, rec.metrics, rec.tolerance = verdict.reason, verdict.metrics, verdict.tolerance
         _attribute(rec, verdict)
+        _attribute_handed_over(rec, fallbacks)
     except UnsupportedError as err:
         rec.outcome, rec.reason = "unsupported", str(err)
     except BackendUnavailableError as err:
@@ -312,6 +314,18 @@ def _attribute(rec: Record, verdict: Verdict) -> None:
         rec.ran_on = verdict.ran_on or rec.ran_on
         if verdict.skipped:
             rec.outcome = "skipped"
+
+
+def _attribute_handed_over(rec: Record, fallbacks: list[tuple[str, str, str]]) -> None:
+    """A kernel that handed the check's op to another backend inside itself (an
+    adapter running the generic composite for an input it cannot take) did not run
+    the check: credit the backend that did."""
+    handed = [used for requested, op, used in fallbacks if op == rec.op and requested == rec.ran_on]
+    if handed:
+        rec.reason = "; ".join(
+            filter(None, (rec.reason, f"{rec.ran_on}'s kernel handed it to {handed[0]}"))
+        )
+        rec.ran_on = handed[0]
 
 
 def _bad_input(check: Check, device: torch.device, backend: str) -> Verdict:

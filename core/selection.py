@@ -343,11 +343,34 @@ class Resolution:
 _logged_fallbacks: set[tuple[str, str, str]] = set()
 
 
+# Where :func:`recording_fallbacks` collects the fallbacks of the calls inside it.
+_fallback_sink: contextvars.ContextVar[list[tuple[str, str, str]] | None] = contextvars.ContextVar(
+    "glmport_fallback_sink", default=None
+)
+
+
 def log_fallback_once(requested: str, op: str, used: str, why: str) -> None:
-    """One log line per (requested backend, op, backend used)."""
+    """One log line per (requested backend, op, backend used); every call is also
+    recorded inside :func:`recording_fallbacks` (a backend's kernel that hands a call
+    to another backend says so here, so the call is not credited to it)."""
+    sink = _fallback_sink.get()
+    if sink is not None:
+        sink.append((requested, op, used))
     if (requested, op, used) not in _logged_fallbacks:
         _logged_fallbacks.add((requested, op, used))
         log.warning("glmport: backend %r %s %r; falling back to %r", requested, why, op, used)
+
+
+@contextlib.contextmanager
+def recording_fallbacks() -> Iterator[list[tuple[str, str, str]]]:
+    """Collect ``(requested backend, op, backend used)`` for every fallback that the
+    calls inside the block take, resolution-time and inside a kernel alike."""
+    sink: list[tuple[str, str, str]] = []
+    token = _fallback_sink.set(sink)
+    try:
+        yield sink
+    finally:
+        _fallback_sink.reset(token)
 
 
 def clear_cache() -> None:

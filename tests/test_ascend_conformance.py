@@ -57,3 +57,26 @@ def test_every_declared_op_has_quick_cases_inside_the_chip_limits(op):
     if cap is not None and "scheme" in cap.limits:
         schemes = {c.scheme for c in inside}
         assert set(cap.limits["scheme"]) - {"none"} <= schemes, schemes
+
+
+def test_a_call_an_adapter_hands_to_generic_is_credited_to_generic():
+    """int4 with K 2 (group 2) is inside the manifest's limits but not the ops': the
+    adapter runs the generic composite, so generic ran the check, not ascend."""
+    (check,) = [c for c in CHECKS if c.id == "quant_gemm-k1-bfloat16-w4a16"]
+    rec = run_check(check, "ascend", emulate=True)
+    assert rec.outcome == "pass" and rec.ran_on == "generic" and not rec.own, rec
+    assert "ascend's kernel handed it to generic" in rec.reason
+    # An adapter that ran its own op keeps the credit.
+    (own,) = [c for c in CHECKS if c.id == "quant_gemm-tiny-bfloat16-w4a16"]
+    rec = run_check(own, "ascend", emulate=True)
+    assert rec.outcome == "pass" and rec.ran_on == "ascend" and rec.own, rec
+
+
+def test_at_least_30_quick_sparse_attention_value_checks_reach_the_adapter():
+    ran = [
+        run_check(c, "ascend", emulate=True)
+        for c in CHECKS
+        if c.op == "sparse_attention" and c.kind == "value"
+    ]
+    own = [r.id for r in ran if r.own and r.outcome == "pass"]
+    assert len(own) >= 30, own

@@ -13,7 +13,13 @@ import glmport
 from glmport.backends.cpu import float64_reference
 from glmport.core import registry
 from glmport.core.registry import Availability, Backend, BackendManifest, Capability
-from glmport.core.selection import current_settings, resolve, settings_from_env
+from glmport.core.selection import (
+    current_settings,
+    log_fallback_once,
+    recording_fallbacks,
+    resolve,
+    settings_from_env,
+)
 from glmport.core.specs import OP_NAMES
 from glmport.core.validate import Level
 
@@ -528,3 +534,12 @@ def test_broken_plugins_are_unavailable_with_a_reason_not_a_crash(entry_points, 
     avail = registry.REGISTRY.availability("broken", False)
     assert not avail.ok
     assert needle in avail.reason
+
+
+def test_recording_fallbacks_collects_each_hand_over_inside_the_block_only():
+    log_fallback_once("ascend", "rope", "generic", "cannot take this in")
+    with recording_fallbacks() as seen:
+        log_fallback_once("ascend", "rope", "generic", "cannot take this in")  # logged before
+        log_fallback_once("cuda", "rms_norm", "generic", "lacks")
+    log_fallback_once("ascend", "rope", "generic", "cannot take this in")
+    assert seen == [("ascend", "rope", "generic"), ("cuda", "rms_norm", "generic")]

@@ -119,6 +119,29 @@ def attention_cases() -> Iterator[Case]:
         yield from per_dtype(
             "sparse_attention", name, family, p, attention_builder(**p), full_only=full
         )
+    # The edges again at absorbed MLA's shape (one latent kv head, Dk 576, v = k[..., :512]),
+    # the only one vendor MLA kernels take (ascend's), in bf16 and fp16 (fp32: --full):
+    # every head count the kernels list from 1 to 128, paged and int64 slot ids.
+    mla = dict(hkv=1, dk=576, dv=512, absorbed=True)
+    for name, p in (
+        ("mla_t1", dict(t=1, h=16, n=40, k=16)),
+        ("mla_h1", dict(t=3, h=1, n=24, k=8)),
+        ("mla_h2", dict(t=2, h=2, n=33, k=12)),
+        ("mla_h128", dict(t=2, h=128, n=48, k=16)),
+        ("mla_n_lt_topk", dict(t=3, h=8, n=6, k=6, pattern="padded")),
+        ("mla_all_minus_one", dict(t=2, h=4, n=9, k=4, pattern="all_minus_one")),
+        ("mla_ragged", dict(t=6, h=16, n=64, k=20, pattern="ragged")),
+        ("mla_causal", dict(t=5, h=8, n=12, k=12, pattern="causal")),
+        ("mla_paged_slots", dict(t=3, h=32, n=3000, k=32)),
+        ("mla_int64", dict(t=2, h=4, n=50, k=10, index_dtype="int64")),
+        ("mla_topk_100", dict(t=2, h=8, n=300, k=100)),
+    ):
+        p = {**mla, **p}
+        for dtype in FLOATS:
+            yield from per_dtype(
+                "sparse_attention", name, "edge", p, attention_builder(**p), dtypes=(dtype,),
+                full_only=dtype == torch.float32,
+            )  # fmt: skip
     bf16 = (torch.bfloat16,)
     # (name, family, shape, the dtypes quick mode takes: the others run with --full)
     hard = [
