@@ -173,7 +173,7 @@ NPU_CALLS = {
     "sparse_attention": {"npu_sparse_flash_attention"},
     "moe_gate": {"npu_moe_gating_top_k"},
     "moe_dispatch": {"npu_moe_init_routing_v2"},
-    "moe_combine": {"npu_moe_finalize_routing"},
+    "moe_combine": {"npu_moe_token_unpermute"},
     "grouped_gemm": {"npu_grouped_matmul"},
     "quant_gemm": {"npu_quant_matmul", "npu_weight_quant_batchmatmul"},
     "rms_norm": {"npu_rms_norm"},
@@ -335,6 +335,6 @@ def test_tiny_glm5_with_glm5_head_dims_generates_like_the_cpu_backend(npu_calls)
     assert got == want
     assert set(npu_calls) >= {
         "npu_sparse_flash_attention", "npu_lightning_indexer", "npu_moe_gating_top_k",
-        "npu_moe_init_routing_v2", "npu_moe_finalize_routing", "npu_grouped_matmul",
+        "npu_moe_init_routing_v2", "npu_moe_token_unpermute", "npu_grouped_matmul",
         "npu_rms_norm", "npu_rotary_mul",
     }  # fmt: skip

@@ -1,8 +1,8 @@
 """The emulated torch_npu MoE routing ops against their documentation pages
 (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_gating_top_k.md,
--npu_moe_init_routing_v2.md, -npu_moe_finalize_routing.md): hand-built cases in the
-vendor's conventions, expectations from float64 loops written here, and one
-NpuContractError per documented constraint."""
+-npu_moe_init_routing_v2.md; cann/ops-transformer moe/moe_token_unpermute/README.md):
+hand-built cases in the vendor's conventions, expectations from float64 loops written
+here, and one NpuContractError per documented constraint."""
 
 from __future__ import annotations
 
@@ -309,140 +309,88 @@ def test_init_routing_quantisation_is_not_emulated():
         routing_call(quant_mode=1)
 
 
-# -- npu_moe_finalize_routing -------------------------------------------------------
+# -- npu_moe_token_unpermute --------------------------------------------------------
 
 
-def ref_finalize(rows, skip1, skip2, bias, scales, dst, experts, mode):
-    """float64 loops of the page's formula."""
-    h = rows.shape[-1]
-    flat = rows.double().reshape(-1, h)
-    n, k = scales.shape
-    out = torch.zeros(n, h, dtype=torch.float64)
+def ref_unpermute(tokens, indices, probs):
+    """float64 loops of the page's formula: O[i] = sum_j P[i][j] * T[S[i * topK + j]]."""
+    n, k = probs.shape
+    out = torch.zeros(n, tokens.shape[1], dtype=torch.float64)
     for i in range(n):
-        if skip1 is not None:
-            out[i] += skip1[i].double()
-        if skip2 is not None:
-            out[i] += skip2[i].double()
         for j in range(k):
-            d = int(dst[i * k + j] if mode in (2, 3) else dst[j * n + i])
-            row = flat[d] if d >= 0 else torch.zeros(h, dtype=torch.float64)
-            if bias is not None:
-                row = row + bias[int(experts[i, j])].double()
-            out[i] += float(scales[i, j]) * row
+            out[i] += float(probs[i, j]) * tokens[int(indices[i * k + j])].double()
     return out
 
 
-@pytest.mark.parametrize("mode", [0, 2])
-def test_finalize_column_vs_row_major_index_with_skips_bias_and_scales(mode):
-    n, k, h, e = 3, 2, 5, 4
-    rows = torch.randn(n * k, h, generator=gen(10))
-    skip1, skip2 = torch.randn(n, h, generator=gen(11)), torch.randn(n, h, generator=gen(12))
-    bias = torch.randn(e, h, generator=gen(13))
-    scales = torch.rand(n, k, generator=gen(14))
-    dst = torch.randperm(n * k, generator=gen(15)).to(torch.int32)
-    experts = torch.randint(0, e, (n, k), generator=gen(16), dtype=torch.int32)
-    out = npu.npu_moe_finalize_routing(rows, skip1, skip2, bias, scales, dst, experts, mode)
-    want = ref_finalize(rows, skip1, skip2, bias, scales, dst, experts, mode)
-    assert out.dtype == torch.float32 and out.shape == (n, h)
-    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unpermute_gathers_each_copy_weights_and_sums_it(dtype):
+    n, k, h = 4, 3, 6
+    tokens = torch.randn(n * k, h, generator=gen(10)).to(dtype)
+    indices = torch.randperm(n * k, generator=gen(11)).to(torch.int32)
+    probs = torch.rand(n, k, generator=gen(12)).to(dtype)
+    out = npu.npu_moe_token_unpermute(tokens, indices, probs)
+    assert out.dtype == dtype and out.shape == (n, h)
+    want = ref_unpermute(tokens, indices, probs)
+    # float32 arithmetic, one rounding to the dtype at the end: within half a unit in
+    # the last place of the dtype (plus float32's own rounding).
+    rtol = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6
+    torch.testing.assert_close(out.double(), want, rtol=rtol, atol=1e-6)
 
 
-def test_finalize_modes_read_different_slots():
-    # One token, k = 2, rows [10, 20, 30, 40] with NUM_ROWS = 2: column-major slot (i=0,
-    # k=1) is entry 1 * 2 + 0 = 2, row-major it is entry 0 * 2 + 1 = 1.
-    rows = torch.tensor([[10.0], [20.0], [30.0], [40.0]])
-    scales = torch.tensor([[1.0, 100.0], [0.0, 0.0]])
-    dst = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-    col = npu.npu_moe_finalize_routing(rows, None, None, None, scales, dst, None, 0)
-    row = npu.npu_moe_finalize_routing(rows, None, None, None, scales, dst, None, 2)
-    assert col[0].item() == 10.0 + 100.0 * 30.0 and row[0].item() == 10.0 + 100.0 * 20.0
+def test_unpermute_reads_the_row_each_copy_names_not_the_copy_each_row_holds():
+    # Rows [10, 20, 30, 40]; copy (token 0, j = 1) is entry 1 of S, held in row S[1].
+    tokens = torch.tensor([[10.0], [20.0], [30.0], [40.0]])
+    indices = torch.tensor([3, 2, 0, 1], dtype=torch.int32)
+    probs = torch.tensor([[1.0, 100.0], [0.0, 0.0]])
+    out = npu.npu_moe_token_unpermute(tokens, indices, probs)
+    assert out[0].item() == 40.0 + 100.0 * 30.0
 
 
-def test_finalize_drop_pad_minus_one_reads_a_zero_row():
-    rows = torch.randn(2, 3, 4, generator=gen(17))  # E = 2, C = 3
-    scales = torch.rand(2, 2, generator=gen(18))
-    bias = torch.randn(2, 4, generator=gen(19))
-    experts = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
-    dst = torch.tensor([4, -1, 0, 2], dtype=torch.int32)
-    out = npu.npu_moe_finalize_routing(rows, None, None, bias, scales, dst, experts, 3)
-    want = ref_finalize(rows, None, None, bias, scales, dst, experts, 3)
-    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
+def test_unpermute_without_probs_is_top_k_1():
+    tokens = torch.randn(4, 8, generator=gen(20)).to(torch.bfloat16)
+    indices = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    out = npu.npu_moe_token_unpermute(tokens, indices)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, tokens[indices.long()])
 
 
-def test_finalize_without_scales_is_k_1_and_keeps_low_precision_dtype():
-    rows = torch.randn(4, 8, generator=gen(20)).to(torch.bfloat16)
-    dst = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
-    out = npu.npu_moe_finalize_routing(rows, None, None, None, None, dst, None)
-    assert out.dtype == torch.bfloat16 and out.shape == (4, 8)
-    assert torch.equal(out, rows[dst.long()])
+def test_unpermute_a_repeated_index_is_undefined_so_nan():
+    tokens = torch.randn(4, 2, generator=gen(21))
+    indices = torch.tensor([0, 0, 2, 3], dtype=torch.int32)  # row 0 twice, row 1 never
+    out = npu.npu_moe_token_unpermute(tokens, indices, torch.ones(2, 2))
+    assert out[0].isnan().all() and not out[1].isnan().any()
 
 
-def finalize_call(**overrides):
+def unpermute_call(**overrides):
     n, k, h = 2, 2, 4
     args = {
-        "expanded_permuted_rows": torch.randn(n * k, h),
-        "skip1": None,
-        "skip2": None,
-        "bias": None,
-        "scales": torch.rand(n, k),
-        "expanded_src_to_dst_row": torch.arange(n * k, dtype=torch.int32),
-        "export_for_source_row": None,
-        "drop_pad_mode": 2,
+        "permuted_tokens": torch.randn(n * k, h),
+        "sorted_indices": torch.arange(n * k, dtype=torch.int32),
+        "probs": torch.rand(n, k),
+        "padded_mode": False,
+        "restore_shape": None,
     }
     args.update(overrides)
-    return npu.npu_moe_finalize_routing(*args.values())
+    return npu.npu_moe_token_unpermute(*args.values())
 
 
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
-        ({"drop_pad_mode": 4}, "drop_pad_mode must be in [0, 3]"),
-        ({"expanded_permuted_rows": torch.ones(4, 4, dtype=torch.int32)}, "unsupported"),
-        ({"expanded_permuted_rows": torch.randn(1, 4, 4)}, "must be 2D (NUM_ROWS*K, H)"),
-        ({"drop_pad_mode": 3}, "must be 3D (E, C, H)"),
-        ({"expanded_src_to_dst_row": torch.arange(4)}, "1D int32"),
-        ({"expanded_src_to_dst_row": torch.arange(3, dtype=torch.int32)}, "NUM_ROWS*K=4"),
-        ({"expanded_permuted_rows": torch.randn(5, 4)}, "NUM_ROWS*K=4 rows"),
-        ({"scales": torch.rand(2, 2, dtype=torch.float64)}, "scales dtype must equal"),
-        ({"scales": torch.rand(4)}, "scales must be 2D"),
-        ({"skip1": torch.randn(2, 3)}, "skip1 must be (2, 4)"),
-        ({"skip2": torch.randn(2, 4)}, "skip2 must be None when skip1 is None"),
-        ({"bias": torch.randn(4, 4)}, "bias needs export_for_source_row"),
-        (
-            {
-                "bias": torch.randn(4, 3),
-                "export_for_source_row": torch.zeros(2, 2, dtype=torch.int32),
-            },
-            "bias must be (E, 4)",
-        ),
-        (
-            {
-                "bias": torch.randn(1, 4),
-                "export_for_source_row": torch.zeros(2, 2, dtype=torch.int32),
-            },
-            "E=1 must be >= K=2",
-        ),
-        (
-            {
-                "bias": torch.randn(3, 4),
-                "export_for_source_row": torch.full((2, 2), 3, dtype=torch.int32),
-            },
-            "values must be in [0, E-1=2]",
-        ),
-        ({"export_for_source_row": torch.zeros(2, 2)}, "must be int32 of shape (2, 2)"),
-        ({"expanded_src_to_dst_row": torch.tensor([0, 1, 2, -1], dtype=torch.int32)}, "[0, 3]"),
-        ({"expanded_src_to_dst_row": torch.tensor([0, 1, 2, 4], dtype=torch.int32)}, "[0, 3]"),
-        (
-            {
-                "expanded_permuted_rows": torch.randn(2, 2, 4),  # E = 2, C = 2
-                "drop_pad_mode": 3,
-                "expanded_src_to_dst_row": torch.tensor([0, 1, 4, -1], dtype=torch.int32),
-            },
-            "[-1, 3]",
-        ),
+        ({"padded_mode": True}, "padded_mode supports only False"),
+        ({"restore_shape": (2, 4)}, "restore_shape supports only None"),
+        ({"permuted_tokens": torch.ones(4, 4, dtype=torch.int32)}, "unsupported"),
+        ({"permuted_tokens": torch.randn(1, 4, 4)}, "must be 2D"),
+        ({"permuted_tokens": torch.randn(0, 4)}, "must not be empty"),
+        ({"sorted_indices": torch.arange(4)}, "1D int32 with 4 entries"),
+        ({"sorted_indices": torch.arange(3, dtype=torch.int32)}, "1D int32 with 4 entries"),
+        ({"probs": torch.rand(2, 2, dtype=torch.float64)}, "probs dtype"),
+        ({"probs": torch.rand(2, 2).to(torch.bfloat16)}, "must have permuted_tokens' dtype"),
+        ({"probs": torch.rand(3, 2)}, "tokens * topK = 4"),
+        ({"sorted_indices": torch.tensor([0, 1, 2, 4], dtype=torch.int32)}, "[0, 3]"),
+        ({"sorted_indices": torch.tensor([0, 1, 2, -1], dtype=torch.int32)}, "[0, 3]"),
     ],
 )
-def test_finalize_documented_constraints_raise(overrides, words):
-    with pytest.raises(NpuContractError, match="npu_moe_finalize_routing") as info:
-        finalize_call(**overrides)
+def test_unpermute_documented_constraints_raise(overrides, words):
+    with pytest.raises(NpuContractError, match="npu_moe_token_unpermute") as info:
+        unpermute_call(**overrides)
     assert words in str(info.value)

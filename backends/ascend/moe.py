@@ -1,12 +1,13 @@
 """MoE routing onto torch_npu's fused ops: the router gate (``npu_moe_gating_top_k``),
 the sort-based dispatch (``npu_moe_init_routing_v2``) and the weighted combine
-(``npu_moe_finalize_routing``), the chain Ascend deployments of DeepSeek-V3 / GLM-5
-run (vllm-ascend, omni-infer).
+(``npu_moe_token_unpermute``), the chain Ascend deployments of DeepSeek-V3 / GLM-5
+run (vllm-ascend).
 
 Each adapter takes ``npu`` first (the ``torch_npu`` module, or the emulator under
 ``GLMPORT_EMULATE=1``) and glmport's op arguments after it. Docs, in Ascend/op-plugin
 ``docs/zh/custom_APIs/torch_npu/``: ``torch_npu-npu_moe_gating_top_k.md``,
-``torch_npu-npu_moe_init_routing_v2.md``, ``torch_npu-npu_moe_finalize_routing.md``.
+``torch_npu-npu_moe_init_routing_v2.md``; cann/ops-transformer
+``moe/moe_token_unpermute/README.md``.
 """
 
 from __future__ import annotations
@@ -170,24 +171,25 @@ def moe_dispatch(
 def moe_combine(
     npu: Any, y_sorted: torch.Tensor, src_row: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """glmport ``moe_combine`` through ``npu_moe_finalize_routing`` (``drop_pad_mode=2``).
+    """glmport ``moe_combine`` through ``npu_moe_token_unpermute``.
 
-    Doc: Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_finalize_routing.md``.
+    Doc: cann/ops-transformer ``moe/moe_token_unpermute/README.md`` (Atlas A2, A3 and
+    Ascend 950). ``npu_moe_finalize_routing``, the other combine, is documented for A2
+    only and rounds the routing weights to the rows' dtype (bf16: 0.011 to 0.048 mean
+    |dlogp| on the tiny GLM-5, measured under emulation); vllm-ascend avoids it for
+    accuracy and calls this op, as this adapter does on every generation.
 
-    Mapping: the op wants, per slot ``t * k + j`` in row-major order (mode 2, "按行排列"),
-    the row holding it: the inverse of ``src_row``, which is exactly
-    ``npu_moe_init_routing_v2``'s gather index (``row_idx_type=0``). Precision: the page
-    requires ``scales`` in the rows' dtype, so the fp32 weights are rounded to
-    ``y_sorted``'s dtype (bf16: 2**-9 relative per weight, fp16: 2**-12, both inside
-    the dtype's tolerance; fp32: exact); the products are summed in fp32 (the
-    emulator's reading of the page's formula) and rounded once to the output dtype.
+    Mapping: the op wants, per token copy ``t * k + j`` (row-major), the row holding
+    it: the inverse of ``src_row`` (``npu_moe_init_routing_v2``'s gather index). Rows
+    and weights go in float32 (the op takes both in one dtype, see the emulator), so no
+    weight is rounded; the float32 result is rounded once to ``y_sorted``'s dtype.
 
     Under GLMPORT_VALIDATE=meta glmport does not check that ``src_row`` is a
-    permutation, and the op reads one row per slot, so a repeated value cannot reach it.
-    Then each slot takes the first row naming it, a slot no row names gets weight 0 (on
-    row 0), rows outside ``[0, T*k)`` are skipped, and the further rows of a repeated
-    slot are added here in fp32. The mode is read from glmport's settings (host-side,
-    no sync) so checked calls do not pay that extra pass over ``y_sorted``.
+    permutation, and the op needs one (a repeated index is undefined). Then each slot
+    takes the first row naming it, the rows no slot takes serve the slots no row names
+    with weight 0, rows outside ``[0, T*k)`` are skipped, and the further rows of a
+    repeated slot are added here in float32. The mode is read from glmport's settings
+    (host-side, no sync) so checked calls do not pay that extra pass over ``y_sorted``.
 
     Args:
         y_sorted: ``[T*k, D]`` float32 | bfloat16 | float16. src_row: ``[T*k]`` int32 |
@@ -205,16 +207,8 @@ def moe_combine(
         return _combine_unchecked(npu, y_sorted, src_row, weights)
     order = torch.arange(rows, dtype=torch.int32, device=src_row.device)
     dst = torch.empty_like(order).scatter_(0, src_row.long(), order)
-    return npu.npu_moe_finalize_routing(
-        y_sorted.contiguous(),
-        None,
-        None,
-        None,
-        weights.to(y_sorted.dtype),
-        dst,
-        None,
-        drop_pad_mode=2,
-    )
+    out = npu.npu_moe_token_unpermute(y_sorted.float(), dst, weights.float())
+    return out.to(y_sorted.dtype)
 
 
 def _combine_unchecked(
@@ -233,18 +227,22 @@ def _combine_unchecked(
     lead[1:] = sorted_slot[1:] != sorted_slot[:-1]
     first = torch.full((rows + 1,), rows, dtype=torch.long, device=src.device)
     first = first.scatter_(0, torch.where(lead, sorted_slot, rows), order)[:rows]
-    taken = first < rows
-    dst = torch.where(taken, first, 0).to(torch.int32)
-    scales = torch.where(taken.view(t, k), weights, 0.0).to(y_sorted.dtype)
-    out = npu.npu_moe_finalize_routing(
-        y_sorted.contiguous(), None, None, None, scales, dst, None, drop_pad_mode=2
-    )
+    named = first < rows
+    # The op needs a permutation: the rows no slot takes fill the unnamed slots in
+    # order (there are as many), each with weight 0.
+    taken = torch.zeros(rows + 1, dtype=torch.bool, device=src.device)
+    taken[torch.where(named, first, rows)] = True
+    spare = (~taken[:rows]).nonzero().squeeze(1)
+    dst = first.clone()
+    dst[(~named).nonzero().squeeze(1)] = spare
+    scales = torch.where(named.view(t, k), weights, 0.0).float()
+    out = npu.npu_moe_token_unpermute(y_sorted.float(), dst.to(torch.int32), scales)
     repeat_sorted = ~lead & (sorted_slot < rows)
     repeat = torch.zeros_like(repeat_sorted).scatter_(0, order, repeat_sorted)
-    named = slot.clamp(max=rows - 1)
-    token = torch.where(repeat, named // k, t)
+    slot_of_repeat = slot.clamp(max=rows - 1)
+    token = torch.where(repeat, slot_of_repeat // k, t)
     extra = torch.where(
-        repeat[:, None], y_sorted.float() * weights.reshape(-1)[named][:, None], 0.0
+        repeat[:, None], y_sorted.float() * weights.reshape(-1)[slot_of_repeat][:, None], 0.0
     )
-    acc = torch.cat((out.float(), out.new_zeros((1, out.shape[1]), dtype=torch.float32)))
+    acc = torch.cat((out, out.new_zeros((1, out.shape[1]))))
     return acc.index_add(0, token, extra)[:t].to(y_sorted.dtype)

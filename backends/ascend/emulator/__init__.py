@@ -21,7 +21,7 @@ from .gemm import (
 )
 from .grouped_gemm import npu_grouped_matmul
 from .indexer import npu_lightning_indexer
-from .moe import npu_moe_finalize_routing, npu_moe_gating_top_k, npu_moe_init_routing_v2
+from .moe import npu_moe_gating_top_k, npu_moe_init_routing_v2, npu_moe_token_unpermute
 from .norm_rope import npu_rms_norm, npu_rotary_mul
 
 __all__ = [
@@ -32,9 +32,9 @@ __all__ = [
     "npu_convert_weight_to_int4pack",
     "npu_grouped_matmul",
     "npu_lightning_indexer",
-    "npu_moe_finalize_routing",
     "npu_moe_gating_top_k",
     "npu_moe_init_routing_v2",
+    "npu_moe_token_unpermute",
     "npu_quant_matmul",
     "npu_rms_norm",
     "npu_rotary_mul",

@@ -1,16 +1,17 @@
 """CPU emulation of torch_npu's MoE routing ops: ``npu_moe_gating_top_k`` (router),
-``npu_moe_init_routing_v2`` (token permutation by expert) and ``npu_moe_finalize_routing``
+``npu_moe_init_routing_v2`` (token permutation by expert) and ``npu_moe_token_unpermute``
 (weighted un-permutation).
 
-Each function follows its torch_npu documentation page in Ascend/op-plugin
-(``docs/zh/custom_APIs/torch_npu/torch_npu-<op>.md``; the same pages under
-``docs/context/`` in older releases): the argument names, defaults and output tuples,
-the "equivalent computation" reference code those pages give (their stable sorts fix
-every tie to the lower index), and a :class:`NpuContractError` wherever the page states
-a constraint. Arithmetic is float32, outputs in the documented dtypes. Output elements
-the real op leaves unwritten (documented as "uninitialised" or "meaningless") are NaN
-for floating tensors and the dtype's minimum for integer ones, so a caller that reads
-them is caught.
+Each function follows its documentation page (torch_npu's in Ascend/op-plugin,
+``docs/zh/custom_APIs/torch_npu/torch_npu-<op>.md``, the same pages under
+``docs/context/`` in older releases; CANN ops-transformer's where torch_npu has none):
+the argument names, defaults and output tuples, the "equivalent computation"
+reference code those pages give (their stable sorts fix every tie to the lower index),
+and a :class:`NpuContractError` wherever the page states a constraint. Arithmetic is
+float32, outputs in the documented dtypes. Output elements the real op leaves
+unwritten (documented as "uninitialised" or "meaningless") are NaN for floating
+tensors and the dtype's minimum for integer ones, so a caller that reads them is
+caught.
 """
 
 from __future__ import annotations
@@ -324,137 +325,73 @@ def npu_moe_init_routing_v2(
     return expanded_x, expanded_row_idx, tokens.to(torch.int64), expanded_scale
 
 
-# -- npu_moe_finalize_routing -------------------------------------------------------
+# -- npu_moe_token_unpermute --------------------------------------------------------
 
 
-def npu_moe_finalize_routing(
-    expanded_permuted_rows: torch.Tensor,
-    skip1: torch.Tensor | None,
-    skip2: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    scales: torch.Tensor | None,
-    expanded_src_to_dst_row: torch.Tensor,
-    export_for_source_row: torch.Tensor | None,
-    drop_pad_mode: int = 0,
+def npu_moe_token_unpermute(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``torch_npu.npu_moe_finalize_routing``: the weighted inverse of the routing.
+    """``torch_npu.npu_moe_token_unpermute``: the weighted inverse of a permutation.
 
-    Doc: Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_finalize_routing.md``
-    (the op-plugin schema names the 7th argument ``export_for_source_row``, the newest
-    page ``expert_for_source_row``; both pass it positionally. The newest schema adds
-    an undocumented ``k=1``, not emulated).
+    Doc: cann/ops-transformer ``moe/moe_token_unpermute/README.md`` and
+    ``docs/aclnnMoeTokenUnpermute.md`` (Atlas A2, A3 and Ascend 950; the CANN 8.2 page
+    listed A2 only), with MindSpore's mirror ``mindspore.ops.moe_token_unpermute``.
 
-    ``out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[d(i, k)] + bias[e(i, k)])``
-    with ``e(i, k) = export_for_source_row[i, k]`` and the destination row ``d(i, k) =
-    expanded_src_to_dst_row[k * NUM_ROWS + i]`` ("按列排列", column-major; drop_pad_mode
-    0 and 1) or ``expanded_src_to_dst_row[i * K + k]`` ("按行排列", row-major; 2 and 3).
-    In the drop/pad modes 1 and 3 the rows are ``[E, C, H]`` (flattened to ``E * C``)
-    and ``d = -1`` (a dropped copy) reads a zero row. ``NUM_ROWS, K = scales.shape``;
-    ``K = 1`` without scales. Accumulated in float32, returned in the rows' dtype.
+    ``out[i] = sum_j probs[i, j] * permuted_tokens[sorted_indices[i * topK + j]]``:
+    ``sorted_indices`` maps each token copy (row-major ``[tokens, topK]``) to the row
+    holding it. Without ``probs``, ``topK = 1`` and ``out[i] = permuted_tokens[S[i]]``.
+    Computed in float32, returned in ``permuted_tokens``' dtype.
 
-    Args:
-        expanded_permuted_rows: ``[NUM_ROWS * K, H]`` (modes 0, 2) or ``[E, C, H]``
-            (1, 3) float16 | bfloat16 | float32.
-        skip1, skip2: ``[NUM_ROWS, H]`` in the rows' dtype or None (skip2 needs skip1).
-        bias: ``[E, H]`` in the rows' dtype or None.
-        scales: ``[NUM_ROWS, K]`` in the rows' dtype or None.
-        expanded_src_to_dst_row: ``[NUM_ROWS * K]`` int32, values in ``[0, NUM_ROWS*K)``
-            (modes 0, 2) or ``[-1, E*C)`` (1, 3).
-        export_for_source_row: ``[NUM_ROWS, K]`` int32 expert ids in ``[0, E)`` or None.
-
-    Returns:
-        ``[NUM_ROWS, H]`` in the rows' dtype.
+    Constraints (the pages): ``permuted_tokens`` 2-D ``[tokens * topK, H]`` and
+    ``probs`` ``[tokens, topK]``, each float16 | bfloat16 | float32; ``sorted_indices``
+    1-D int32 with one entry per row, each a row index; ``padded_mode`` only False and
+    ``restore_shape`` only None. Two assumptions, stricter than the pages: ``probs`` in
+    ``permuted_tokens``' dtype (the pages state no mixed rule; MindSpore's and
+    MindSpeed-MM's callers cast the tokens to the probs' dtype first), and an index
+    listed twice, documented as an undefined result, gives NaN rows here.
     """
-    op = "npu_moe_finalize_routing"
-    rows = expanded_permuted_rows
+    op = "npu_moe_token_unpermute"
+    require(not padded_mode, op, "padded_mode supports only False")
+    require(restore_shape is None, op, "restore_shape supports only None")
+    tokens = permuted_tokens
+    require(tokens.dtype in _FLOATS, op, f"permuted_tokens dtype {tokens.dtype} unsupported")
+    require(tokens.dim() == 2, op, f"permuted_tokens must be 2D, got {tuple(tokens.shape)}")
+    require(tokens.numel() > 0, op, "permuted_tokens must not be empty")
+    rows = tokens.shape[0]
     require(
-        drop_pad_mode in (0, 1, 2, 3), op, f"drop_pad_mode must be in [0, 3], got {drop_pad_mode}"
-    )
-    dropping = drop_pad_mode in (1, 3)
-    require(rows.dtype in _FLOATS, op, f"expanded_permuted_rows dtype {rows.dtype} unsupported")
-    require(
-        rows.dim() == (3 if dropping else 2),
+        sorted_indices.dtype == torch.int32 and tuple(sorted_indices.shape) == (rows,),
         op,
-        f"expanded_permuted_rows must be {'3D (E, C, H)' if dropping else '2D (NUM_ROWS*K, H)'} "
-        f"with drop_pad_mode={drop_pad_mode}, got shape {tuple(rows.shape)}",
+        f"sorted_indices must be 1D int32 with {rows} entries (one per permuted row)",
     )
-    dst = expanded_src_to_dst_row
-    require(
-        dst.dtype == torch.int32 and dst.dim() == 1,
-        op,
-        "expanded_src_to_dst_row must be a 1D int32 tensor",
-    )
-    nk = dst.shape[0]
-    if scales is not None:
-        require(scales.dim() == 2, op, "scales must be 2D (NUM_ROWS, K)")
-        require(scales.dtype == rows.dtype, op, f"scales dtype must equal the rows' {rows.dtype}")
-        n_rows, k = scales.shape
+    if probs is None:
+        top_k = 1
     else:
-        n_rows, k = nk, 1
+        require(probs.dtype in _FLOATS, op, f"probs dtype {probs.dtype} unsupported")
+        require(
+            probs.dtype == tokens.dtype,
+            op,
+            f"probs must have permuted_tokens' dtype {tokens.dtype}, got {probs.dtype}",
+        )
+        require(
+            probs.dim() == 2 and probs.numel() == rows,
+            op,
+            f"probs must be 2D (tokens, topK) with tokens * topK = {rows} entries, "
+            f"got {tuple(probs.shape)}",
+        )
+        top_k = probs.shape[1]
+    src = sorted_indices.long()
     require(
-        nk == n_rows * k, op, f"expanded_src_to_dst_row must have NUM_ROWS*K={n_rows * k} entries"
-    )
-    h = rows.shape[-1]
-    flat_rows = rows.reshape(-1, h)
-    if not dropping:
-        require(
-            flat_rows.shape[0] == nk,
-            op,
-            f"expanded_permuted_rows must have NUM_ROWS*K={nk} rows, got {flat_rows.shape[0]}",
-        )
-    experts = rows.shape[0] if dropping else None
-    for name, skip in (("skip1", skip1), ("skip2", skip2)):
-        if skip is not None:
-            require(
-                skip.dtype == rows.dtype and tuple(skip.shape) == (n_rows, h),
-                op,
-                f"{name} must be ({n_rows}, {h}) in the rows' dtype {rows.dtype}",
-            )
-    require(skip1 is not None or skip2 is None, op, "skip2 must be None when skip1 is None")
-    if bias is not None:
-        require(
-            bias.dtype == rows.dtype and bias.dim() == 2 and bias.shape[1] == h,
-            op,
-            f"bias must be (E, {h}) in the rows' dtype {rows.dtype}",
-        )
-        require(export_for_source_row is not None, op, "bias needs export_for_source_row")
-        experts = bias.shape[0]
-    if experts is not None:
-        require(experts >= k, op, f"the expert count E={experts} must be >= K={k}")
-    if export_for_source_row is not None:
-        ids = export_for_source_row
-        require(
-            ids.dtype == torch.int32 and tuple(ids.shape) == (n_rows, k),
-            op,
-            f"export_for_source_row must be int32 of shape ({n_rows}, {k})",
-        )
-        if experts is not None:
-            require(
-                bool(((ids >= 0) & (ids < experts)).all()),
-                op,
-                f"export_for_source_row values must be in [0, E-1={experts - 1}]",
-            )
-    low, high = (-1, flat_rows.shape[0]) if dropping else (0, nk)
-    require(
-        bool(((dst >= low) & (dst < high)).all()),
+        bool(((src >= 0) & (src < rows)).all()),
         op,
-        f"expanded_src_to_dst_row values must be in [{low}, {high - 1}] with "
-        f"drop_pad_mode={drop_pad_mode}",
+        f"sorted_indices values must be row indices in [0, {rows - 1}]",
     )
-
-    i = torch.arange(n_rows)[:, None]
-    j = torch.arange(k)[None, :]
-    pos = i * k + j if drop_pad_mode in (2, 3) else j * n_rows + i
-    d = dst.long()[pos]
-    picked = torch.where(
-        (d >= 0)[..., None], flat_rows.float()[d.clamp(min=0)], 0.0
-    )  # [NUM_ROWS, K, H]
-    if bias is not None:
-        picked = picked + bias.float()[export_for_source_row.long()]
-    weight = torch.ones(n_rows, k) if scales is None else scales.float()
+    picked = tokens.float()[src].reshape(rows // top_k, top_k, -1)
+    weight = torch.ones(rows // top_k, top_k) if probs is None else probs.float()
     out = (weight[..., None] * picked).sum(dim=1)
-    if skip1 is not None:
-        out = out + skip1.float()
-    if skip2 is not None:
-        out = out + skip2.float()
-    return out.to(rows.dtype)
+    repeated = torch.bincount(src, minlength=rows)[src] > 1
+    out[repeated.reshape(-1, top_k).any(dim=1)] = float("nan")  # documented: undefined
+    return out.to(tokens.dtype)
