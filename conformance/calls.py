@@ -12,7 +12,7 @@ import glmport
 from glmport.core.registry import ANY_DEVICE, REGISTRY, Kernel
 from glmport.core.selection import selected_device
 
-from .cases.base import Case
+from .cases.base import Case, prefix_width
 
 
 def device_for(device_type: str) -> torch.device:
@@ -24,8 +24,20 @@ def device_for(device_type: str) -> torch.device:
 
 
 def to_device(args: tuple, device: torch.device) -> tuple:
-    """``args`` with every tensor moved to ``device`` (same dtypes and shapes)."""
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    """``args`` with every tensor moved to ``device`` (same dtypes and shapes). An
+    argument that is a prefix view of an earlier one (absorbed MLA's ``v = k[..., :512]``)
+    stays that view of the moved tensor, as a caller on the device would pass it (moved
+    alone it would be a copy, which a vendor kernel may not recognise as the latent)."""
+    moved: list = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            width = next(
+                ((i, w) for i, b in enumerate(args[: len(moved)]) if (w := prefix_width(b, a))),
+                None,
+            )
+            a = moved[width[0]][..., : width[1]] if width else a.to(device)
+        moved.append(a)
+    return tuple(moved)
 
 
 def on_device(case: Case, args: tuple, device: torch.device) -> tuple:

@@ -178,6 +178,7 @@ def test_dispatch_glm5_shape():
     check_dispatch(x, route(16, 8, 256, seed=18), 256)
 
 
+@pytest.mark.usefixtures("meta_mode")
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_dispatch_out_of_range_ids_go_after_every_expert(id_dtype):
     e = 8
@@ -190,14 +191,32 @@ def test_dispatch_out_of_range_ids_go_after_every_expert(id_dtype):
     assert torch.equal(src_row.sort().values, torch.arange(ids.numel(), dtype=torch.int32))
 
 
-def test_dispatch_calls_the_op_drop_less_with_one_parking_expert():
+def test_dispatch_checked_ids_take_the_fast_template_arguments():
+    """GLM-5's 256 experts, count mode, the scatter index: the page's fast templates."""
+    spy = Spy()
+    moe.moe_dispatch(spy, torch.randn(4, 8), route(4, 8, 256, seed=21), 256)
+    (name, kwargs), *rest = spy.calls
+    assert name == "npu_moe_init_routing_v2" and not rest
+    assert kwargs["expert_num"] == 256 and kwargs["active_expert_range"] == [0, 256]
+    assert kwargs["drop_pad_mode"] == 0 and kwargs["active_num"] == 32
+    assert kwargs["row_idx_type"] == 1 and kwargs["expert_tokens_num_type"] == 1
+
+
+@pytest.mark.usefixtures("meta_mode")
+def test_dispatch_unchecked_ids_park_on_one_extra_expert():
     spy = Spy()
     moe.moe_dispatch(spy, torch.randn(4, 8), route(4, 2, 6, seed=21), 6)
     (name, kwargs), *rest = spy.calls
     assert name == "npu_moe_init_routing_v2" and not rest
     assert kwargs["expert_num"] == 7 and kwargs["active_expert_range"] == [0, 7]
-    assert kwargs["drop_pad_mode"] == 0 and kwargs["active_num"] == 8
-    assert kwargs["row_idx_type"] == 0 and kwargs["expert_tokens_num_type"] == 1
+    assert kwargs["row_idx_type"] == 1 and kwargs["expert_tokens_num_type"] == 1
+
+
+@pytest.mark.usefixtures("meta_mode")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_unchecked_path_on_valid_ids_is_the_reference(dtype):
+    x = torch.randn(40, 24, generator=gen(10)).to(dtype)
+    check_dispatch(x, route(40, 4, 16, seed=11), 16)
 
 
 def test_dispatch_no_copies():

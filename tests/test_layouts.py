@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import glmport
+from glmport.conformance.calls import to_device
 from glmport.conformance.cases import all_cases
+from glmport.conformance.cases.base import prefix_width
 from glmport.conformance.layouts import LAYOUTS, broadcast, relayout, strided
 from glmport.conformance.runner import run_check, suite_checks
 from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest
@@ -178,3 +180,14 @@ TVM_CHECKS = [
 def test_layout_cases_pass_on_tvm(check):
     rec = run_check(check, "tvm")
     assert (rec.outcome, rec.ran_on) == ("pass", "tvm"), rec.reason
+
+
+def test_moving_a_call_keeps_a_prefix_view_a_view_of_the_moved_tensor():
+    """Absorbed MLA's ``v = k[..., :512]`` moved to a device alone would be a copy, which
+    a vendor kernel that takes only the latent view (ascend's) would hand to generic."""
+    k = torch.randn(6, 1, 576)
+    args = (torch.randn(2, 4, 576), k, k[..., :512], torch.zeros(2, 3, dtype=torch.int32), 0.1)
+    moved = to_device(args, torch.device("meta"))
+    assert all(m.device.type == "meta" for m in moved[:4]) and moved[4] == 0.1
+    assert prefix_width(moved[1], moved[2]) == 512
+    assert prefix_width(moved[0], moved[3]) is None and moved[3].dtype == torch.int32

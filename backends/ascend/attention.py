@@ -67,10 +67,10 @@ def sparse_attention(
       copy to 2). ``q`` and ``k`` are split into the op's 512-wide ``query`` / ``key`` and
       64-wide ``query_rope`` / ``key_rope`` (contiguous copies: the op takes no
       non-contiguous input). In this mode the op uses ``key`` as the value ("key and
-      value share the same data"), so it can only compute glmport's op when
-      ``v == k[..., :512]``: a view of ``k`` is recognised from its storage (no sync);
-      any other ``v`` costs one ``torch.equal`` (a device sync), and a ``v`` that differs
-      runs the generic backend's composite instead.
+      value share the same data"), so it can only compute glmport's op when ``v`` is
+      ``k[..., :512]``: a view of ``k``, recognised from its storage (no sync, what the
+      model passes). Any other ``v`` runs the generic backend's composite, logged, even
+      one equal in value: comparing it would read the whole cache and sync the host.
     - lse: ``return_softmax_lse=True`` gives fp32 ``softmax_max`` (max of the scaled
       scores) and ``softmax_sum`` (``sum exp(s - max)``), ``[1, T, H]`` in TND, so
       ``lse = softmax_max + log(softmax_sum)``. The op leaves a row that selects no
@@ -89,9 +89,9 @@ def sparse_attention(
     if t == 0 or n == 0 or kk == 0:
         out = torch.zeros((t, h, LATENT), dtype=q.dtype, device=q.device)
         return out, torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device)
-    if not (_is_latent_view(k, v) or torch.equal(v, k[..., :LATENT])):
+    if not _is_latent_view(k, v):
         log_fallback_once(
-            "ascend", "sparse_attention", "generic", "cannot take v != k[..., :512] in"
+            "ascend", "sparse_attention", "generic", "cannot take a v that is not k[..., :512] in"
         )
         return generic_sparse_attention(q, k, v, indices, scale)
     s2 = max(n, kk)

@@ -124,15 +124,18 @@ def moe_dispatch(
 
     Mapping: the op sorts the flat copies ``t * k + j`` by expert with a stable sort (its
     page's reference code), exactly glmport's order, so ``expanded_x`` is ``x_sorted``.
-    An id outside ``[0, E)`` (unchecked under GLMPORT_VALIDATE=meta) is set to ``E`` on
-    the device and the op runs with ``E + 1`` experts, all active: those copies sort
-    after every expert's rows in ``t * k + j`` order, as glmport parks them, and the
-    ``E + 1``-th count is left out of the offsets. ``row_idx_type=0`` returns the gather
-    index (flat copy -> sorted row; also what the legacy aclnnMoeInitRoutingV2 path
-    returns), inverted here into ``src_row`` (sorted row -> flat copy). Counts
-    (``expert_tokens_num_type=1``, int64) become ``expert_offsets`` with a leading 0.
-    The arguments also meet the older aclnnMoeInitRoutingV3 limits (``active_num =
-    NUM_ROWS * K``, count mode, ``expert_tokens_num_flag=True``, ``quant_mode`` -1).
+    Checked ids (glmport's default validation) take the arguments of the page's fast
+    templates: ``expert_num = E`` (GLM-5's 256), count mode (``expert_tokens_num_type=1``)
+    and ``row_idx_type=1``, whose scatter index (sorted row -> flat copy) is ``src_row``
+    itself. Counts (int64) become ``expert_offsets`` with a leading 0. The arguments also
+    meet the older aclnnMoeInitRoutingV3 limits (``active_num = NUM_ROWS * K``, count
+    mode, ``expert_tokens_num_flag=True``, ``quant_mode`` -1).
+
+    Under GLMPORT_VALIDATE=meta an id outside ``[0, E)`` is not checked: it is set to
+    ``E`` on the device and the op runs with ``E + 1`` experts, all active, so those
+    copies sort after every expert's rows in ``t * k + j`` order, as glmport parks them,
+    and the ``E + 1``-th count is left out of the offsets. The mode is read from
+    glmport's settings (host-side, no sync).
 
     Args:
         x: ``[T, D]`` float32 | bfloat16 | float16, ``D >= 1``.
@@ -148,22 +151,24 @@ def moe_dispatch(
     if rows == 0:
         offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
         return x.new_empty((0, d)), offsets, torch.empty(0, dtype=torch.int32, device=x.device)
-    parked = num_experts
-    expert_idx = torch.where((ids >= 0) & (ids < num_experts), ids, parked).to(torch.int32)
-    expanded_x, gather_idx, counts, _ = npu.npu_moe_init_routing_v2(
+    experts = num_experts
+    expert_idx = ids.to(torch.int32)
+    if not current_settings().validate_values:  # park unchecked ids on an extra expert
+        experts = num_experts + 1
+        expert_idx = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+        expert_idx = expert_idx.to(torch.int32)
+    expanded_x, src_row, counts, _ = npu.npu_moe_init_routing_v2(
         x.contiguous(),
         expert_idx,
         active_num=rows,
-        expert_num=num_experts + 1,
+        expert_num=experts,
         drop_pad_mode=0,
         expert_tokens_num_type=1,
         expert_tokens_num_flag=True,
         quant_mode=-1,
-        active_expert_range=[0, num_experts + 1],
-        row_idx_type=0,
+        active_expert_range=[0, experts],
+        row_idx_type=1,
     )
-    order = torch.arange(rows, dtype=torch.int32, device=x.device)
-    src_row = torch.empty_like(order).scatter_(0, gather_idx.long(), order)
     offsets = torch.cat((counts.new_zeros(1), counts[:num_experts].cumsum(0))).to(torch.int32)
     return expanded_x, offsets, src_row
 
