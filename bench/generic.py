@@ -192,7 +192,7 @@ def bench_validation(n: int, repeats: int) -> list[dict]:
         )
     args = {
         "lightning_indexer": (a["qi"], a["ki"], a["w"], a["k_start"], a["k_end"], TOPK, None, None),
-        "sparse_attention": (a["q"], a["kv"], a["kv"][..., :DV], idx, SCALE),
+        "sparse_attention": (a["q"], a["kv"], a["kv"][..., :DV], idx, SCALE, False),
     }
     rows = []
     for op in ("lightning_indexer", "sparse_attention"):

@@ -54,6 +54,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("sparse_attention", "zero_scale", "scale", lambda s: 0.0),
     BadInput("sparse_attention", "nan_scale", "scale", lambda s: float("nan")),
     BadInput("sparse_attention", "key_dim_mismatch", "k", lambda k: k[..., :-1]),
+    BadInput("sparse_attention", "int_need_lse", "need_lse", lambda _: 1),
     BadInput("lightning_indexer", "k_end_past_n", "k_end", _fill(10**6)),
     BadInput("lightning_indexer", "negative_k_start", "k_start", _fill(-1)),
     BadInput("lightning_indexer", "topk_zero", "topk", lambda k: 0),

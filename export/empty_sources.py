@@ -26,7 +26,7 @@ def result_without_source_rows(op: str, args: tuple) -> object | None:
     and lse ``-inf`` ``[T, H]`` fp32; ``grouped_gemm`` with ``w`` of 0 experts gives 0
     ``[M, N]`` in x's dtype. None for every other call (run the graph)."""
     if op == "sparse_attention" and args[1].shape[0] == 0:
-        out, lse = SPECS[op].fake(*args)
+        out, lse = SPECS[op].fake(*args)  # lse [T, H], or [0] without need_lse
         return torch.zeros_like(out), torch.full_like(lse, -math.inf)
     if op == "grouped_gemm" and args[1].shape[0] == 0:
         return torch.zeros_like(SPECS[op].fake(*args))

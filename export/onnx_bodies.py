@@ -94,6 +94,8 @@ def _sparse_attention(b, t, a):
     p = b("Div", e, b("Where", b("Greater", total, b.const(0.0)), total, b.const(1.0)))
     lse = b("Squeeze", b("Add", m, b("Log", total)), b.ints(-1))
     out = b("MatMul", b.reshape(p, rows, hkv, groups, kk), transpose(b, vg, 0, 2, 1, 3))
+    if not a["need_lse"]:
+        lse = b.const([], "float32")  # [0]: the caller reads no lse
     return [b("CastLike", b.reshape(out, rows, h, dv), t["q"]), lse]
 
 

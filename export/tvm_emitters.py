@@ -108,9 +108,10 @@ def _softmax_with_lse(g: Graph, s: Any) -> tuple[Any, Any]:
     return p, g(op.add(m, op.log(total)))
 
 
-def sparse_attention(g: Graph, q, k, v, indices, scale):
-    """out ``[T, H, Dv]`` in q's dtype, lse ``[T, H]`` fp32; slots outside ``[0, N)``
-    are ignored, an empty row gives 0 / ``-inf``."""
+def sparse_attention(g: Graph, q, k, v, indices, scale, need_lse=True):
+    """out ``[T, H, Dv]`` in q's dtype, lse ``[T, H]`` fp32 (``[0]`` without
+    ``need_lse``); slots outside ``[0, N)`` are ignored, an empty row gives 0 /
+    ``-inf``."""
     reject_fp8("sparse_attention", g, [q, k, v])
     op = g.op
     t, h, dk = g.shape(q)
@@ -128,6 +129,8 @@ def sparse_attention(g: Graph, q, k, v, indices, scale):
     p, lse = _softmax_with_lse(g, s)
     out = g.matmul(p, g(op.permute_dims(vg, [0, 2, 1, 3])))  # [T, Hkv, G, Dv]
     out = g(op.astype(op.reshape(out, [t, h, dv]), g.dtype(q)))
+    if not need_lse:
+        return out, g(op.zeros([0], "float32"))
     return out, g(op.reshape(lse, [t, h]))
 
 

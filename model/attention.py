@@ -282,21 +282,23 @@ class Attention(nn.Module):
             indices = self.indexer.select(
                 h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end, batch.widths
             )
+        need_lse = records is not None  # only the records read it: inference asks for none
         if not dense and batch.widths.widest > ABSORB_BEYOND * c.index_topk:
-            out, q, lse = self._absorbed(p, p.latent, indices)
+            out, q, lse = self._absorbed(p, p.latent, indices, need_lse)
             k = p.latent[:, None, :].expand(-1, c.num_attention_heads, -1)
         else:
-            out, q, k, lse = self._non_absorbed(p, indices)
+            out, q, k, lse = self._non_absorbed(p, indices, need_lse)
         if records is not None:
             d = [x.detach() for x in (h, p.q_res, cos, sin, q, k, lse)]
             records.append(AttentionRecord(*d, indices, batch.k_start, batch.k_end))
         return out, indices
 
     def _non_absorbed(
-        self, p: MLAProjections, indices: torch.Tensor
+        self, p: MLAProjections, indices: torch.Tensor, need_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head keys and values up-projected from the packed tokens' own latents:
-        the output ``[T, hidden]``, queries and keys ``[T, H, qk_head_dim]``, lse."""
+        the output ``[T, hidden]``, queries and keys ``[T, H, qk_head_dim]``, lse
+        (``[0]`` unless ``need_lse``)."""
         c = self.config
         t = p.latent.shape[0]
         kv = self.kv_b_proj(p.latent[:, : c.kv_lora_rank]).view(t, c.num_attention_heads, -1)
@@ -306,22 +308,24 @@ class Attention(nn.Module):
         )
         q = torch.cat((p.q_nope, p.q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        out, lse = ops.sparse_attention(q, k, v.contiguous(), indices, self.scale)
+        out, lse = ops.sparse_attention(q, k, v.contiguous(), indices, self.scale, need_lse)
         return self.o_proj(out.reshape(t, -1)), q, k, lse
 
     def _absorbed(
-        self, p: MLAProjections, latent: torch.Tensor, slots: torch.Tensor
+        self, p: MLAProjections, latent: torch.Tensor, slots: torch.Tensor, need_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[T, H, kv_lora + rope]`` (``W_UK`` folded in) over the latent rows
         ``[N, kv_lora + rope]`` at ``slots [T, K]`` (``-1``: none), ``W_UV`` applied to
-        the result: the output ``[T, hidden]``, those queries, lse ``[T, H]``."""
+        the result: the output ``[T, hidden]``, those queries, lse ``[T, H]`` (``[0]``
+        unless ``need_lse``)."""
         c = self.config
         w_uk, w_uv = self._kv_up()
         # Per-head GEMMs over the token axis: [H, T, nope] @ [H, nope, kv_lora].
         q_lat = torch.matmul(p.q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         q = torch.cat((q_lat, p.q_pe), dim=-1)
         kv = latent[:, None, :]
-        out_lat, lse = ops.sparse_attention(q, kv, kv[..., : c.kv_lora_rank], slots, self.scale)
+        v = kv[..., : c.kv_lora_rank]
+        out_lat, lse = ops.sparse_attention(q, kv, v, slots, self.scale, need_lse)
         out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(out.shape[0], -1)), q, lse
 
@@ -330,4 +334,4 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Absorbed attention ``[T, hidden]``: queries over the latent cache
         ``[N, kv_lora + rope]`` at physical ``slots [T, K]`` (``-1``: none)."""
-        return self._absorbed(p, latent_cache, slots)[0]
+        return self._absorbed(p, latent_cache, slots, need_lse=False)[0]

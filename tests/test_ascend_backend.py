@@ -181,15 +181,23 @@ NPU_CALLS = {
 }
 
 
+class NpuCalls(list):
+    """Names of the emulated torch_npu ops called, in order, and each call's keywords."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keywords: list[dict] = []
+
+
 @pytest.fixture
 def npu_calls(monkeypatch):
-    """Names of the emulated torch_npu ops called, in order."""
-    seen: list[str] = []
+    seen = NpuCalls()
     for name in emulator.OPS:
         op = getattr(emulator, name)
 
         def recording(*args, _name=name, _op=op, **kwargs):
             seen.append(_name)
+            seen.keywords.append(kwargs)
             return _op(*args, **kwargs)
 
         monkeypatch.setattr(emulator, name, recording)
@@ -338,3 +346,7 @@ def test_tiny_glm5_with_glm5_head_dims_generates_like_the_cpu_backend(npu_calls)
         "npu_moe_init_routing_v2", "npu_moe_token_unpermute", "npu_grouped_matmul",
         "npu_rms_norm", "npu_rotary_mul",
     }  # fmt: skip
+    # Generation reads no lse: every attention call runs in the op's inference mode, and
+    # the indexer's is the only training-mode keyword left (its scores order each row).
+    attention = [kw for n, kw in zip(npu_calls, npu_calls.keywords, strict=True) if "flash" in n]
+    assert attention and not any(kw["return_softmax_lse"] for kw in attention)

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from bench_scripts import BENCH, run_bench_json
+from hang_guard import guard_s
 
 from glmport.conformance.scorecard import read_bench
 from glmport.core.errors import ConfigError
@@ -241,7 +242,7 @@ def test_a_kernel_compiled_to_a_bare_trap_is_an_error_not_a_four_register_row(tm
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, str(script), str(BENCH)], env=env, capture_output=True, text=True,
-        timeout=300,
+        timeout=guard_s(60),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["90", "False", "100", "True"], done.stdout

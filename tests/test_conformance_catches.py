@@ -19,10 +19,11 @@ def _ref(op):
     return REGISTRY.kernels("cpu", False)[op]
 
 
-def _ignores_minus_one(q, k, v, indices, scale):
+def _ignores_minus_one(q, k, v, indices, scale, need_lse=True):
     # -1 read as Python's "last slot" instead of "no slot".
     n = k.shape[0]
-    return _ref("sparse_attention")(q, k, v, torch.where(indices < 0, n - 1, indices), scale)
+    idx = torch.where(indices < 0, n - 1, indices)
+    return _ref("sparse_attention")(q, k, v, idx, scale, need_lse)
 
 
 def _causal_off_by_one(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
@@ -30,12 +31,12 @@ def _causal_off_by_one(q, k, weights, k_start, k_end, topk, q_scale=None, k_scal
     return _ref("lightning_indexer")(q, k, weights, k_start, end, topk, q_scale, k_scale)
 
 
-def _wrong_scale(q, k, v, indices, scale):
-    return _ref("sparse_attention")(q, k, v, indices, v.shape[-1] ** -0.5)
+def _wrong_scale(q, k, v, indices, scale, need_lse=True):
+    return _ref("sparse_attention")(q, k, v, indices, v.shape[-1] ** -0.5, need_lse)
 
 
-def _lse_log2(q, k, v, indices, scale):
-    out, lse = _ref("sparse_attention")(q, k, v, indices, scale)
+def _lse_log2(q, k, v, indices, scale, need_lse=True):
+    out, lse = _ref("sparse_attention")(q, k, v, indices, scale, need_lse)
     return out, lse / torch.log(torch.tensor(2.0))
 
 
@@ -92,7 +93,7 @@ def _misread_stack(scales):
     return torch.stack([_column_major(s) for s in scales])
 
 
-def _gqa_head_modulo(q, k, v, indices, scale):
+def _gqa_head_modulo(q, k, v, indices, scale, need_lse=True):
     # Query head h reads kv head h % Hkv instead of h // (H / Hkv): permute the heads so
     # the reference's grouping does exactly that.
     h, hkv = q.shape[1], k.shape[1]
@@ -100,11 +101,11 @@ def _gqa_head_modulo(q, k, v, indices, scale):
     pos = (heads % hkv) * (h // hkv) + heads // hkv
     permuted = torch.empty_like(q)
     permuted[:, pos] = q
-    out, lse = _ref("sparse_attention")(permuted, k, v, indices, scale)
-    return out[:, pos], lse[:, pos]
+    out, lse = _ref("sparse_attention")(permuted, k, v, indices, scale, need_lse)
+    return out[:, pos], lse[:, pos] if need_lse else lse
 
 
-def _attention_bf16_accumulation(q, k, v, indices, scale):
+def _attention_bf16_accumulation(q, k, v, indices, scale, need_lse=True):
     # Scores and softmax in fp32, but the softmax sum and the weighted sum of values run
     # slot by slot in a low-precision accumulator (the input dtype).
     acc = q.dtype
@@ -123,7 +124,7 @@ def _attention_bf16_accumulation(q, k, v, indices, scale):
         vj = v[slots[:, j]].float().repeat_interleave(h // hkv, dim=1)  # [T, H, Dv]
         total = total + p[:, :, j].to(acc)
         out = out + (p[:, :, j, None] * vj).to(acc)
-    lse = total.float().log() + peak[..., 0]
+    lse = total.float().log() + peak[..., 0] if need_lse else torch.empty(0)
     return (out.float() / total.float().clamp_min(1e-30)[..., None]).to(q.dtype), lse
 
 

@@ -28,8 +28,8 @@ def _uint16(ids: torch.Tensor) -> torch.Tensor:
     return torch.where(ids >= 0, ids % UINT16, ids).to(ids.dtype)
 
 
-def _attention_uint16_ids(q, k, v, indices, scale):
-    return _ref("sparse_attention")(q, k, v, _uint16(indices), scale)
+def _attention_uint16_ids(q, k, v, indices, scale, need_lse=True):
+    return _ref("sparse_attention")(q, k, v, _uint16(indices), scale, need_lse)
 
 
 def _indexer_uint16_ids(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
@@ -57,11 +57,12 @@ def _gate_always_renormalises(logits, bias, top_k, n_group, topk_group, scaling,
     return _ref("moe_gate")(logits, bias, top_k, n_group, topk_group, scaling, True, func)
 
 
-def _attention_dense_slot_mask(q, k, v, indices, scale):
+def _attention_dense_slot_mask(q, k, v, indices, scale, need_lse=True):
     """A slot listed twice in a row counts once (a mask over slots, not a list)."""
     idx = indices.long()
     earlier = (idx[:, :, None] == idx[:, None, :]).tril(diagonal=-1).any(dim=2)
-    return _ref("sparse_attention")(q, k, v, torch.where(earlier, -1, indices), scale)
+    idx = torch.where(earlier, -1, indices)
+    return _ref("sparse_attention")(q, k, v, idx, scale, need_lse)
 
 
 def _indexer_higher_slot_ties(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
@@ -167,10 +168,10 @@ def _quantize_multiplies_first(x, fmt, group_size=128):
     return q, s
 
 
-def _attention_softmax_without_max(q, k, v, indices, scale):
+def _attention_softmax_without_max(q, k, v, indices, scale, need_lse=True):
     """The mutant library's softmax that exponentiates the scores unshifted."""
     mutated = LIBRARY["sparse_attention.softmax_without_max"].wrap(_ref("sparse_attention"))
-    return mutated(q, k, v, indices, scale)
+    return mutated(q, k, v, indices, scale, need_lse)
 
 
 # bug: (op, kernel, the family whose cases must fail it, a case name among the failures,

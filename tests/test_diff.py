@@ -46,8 +46,8 @@ def _rotates_backwards(x, cos, sin, interleaved):  # rope: the sign of the sine
     return _ref("rope")(x, cos, -sin, interleaved)
 
 
-def _double_scale(q, k, v, indices, scale):  # sparse_attention: softmax scale applied twice
-    return _ref("sparse_attention")(q, k, v, indices, 2 * scale)
+def _double_scale(q, k, v, indices, scale, need_lse=True):  # the softmax scale applied twice
+    return _ref("sparse_attention")(q, k, v, indices, 2 * scale, need_lse)
 
 
 def _lowest_keys(q, k, weights, k_start, k_end, topk, q_scale, k_scale):

@@ -50,6 +50,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 HALF = (torch.bfloat16, torch.float16)
 FLOATS = (torch.float32, *HALF)
 INDEX = (torch.int32, torch.int64)
+BOOLS = (True, False)
 LAYOUTS = ("contiguous", "contiguous", "strided", "broadcast", "transposed", "sliced")
 # Examples per op: the module runs in about 30 s on one core; FUZZ_EXAMPLES sets more.
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
@@ -140,7 +141,8 @@ def build_sparse_attention(d: Draw):
     indices = d.randint(-1, max(n, 1), t, kk, dtype=d.pick(INDEX))
     if n == 0:
         indices = torch.full_like(indices, -1)
-    args = {"q": q, "k": k, "v": v, "indices": indices, "scale": 576**-0.5 * d.pick((0.5, 1, 2))}
+    scale = 576**-0.5 * d.pick((0.5, 1, 2))
+    args = {"q": q, "k": k, "v": v, "indices": indices, "scale": scale, "need_lse": d.pick(BOOLS)}
     return _finish(d, "sparse_attention", args, dtype, {"v": "k"} if v_kind == "view" else None)
 
 

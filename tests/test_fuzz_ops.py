@@ -65,6 +65,7 @@ BACKENDS = SURFACES["ops"].values  # generic, cpu, cuda, ascend, onnxruntime, tv
 EMULATED = ("cuda", "ascend")  # the Triton interpreter, the torch_npu emulator
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INDEX = (torch.int32, torch.int64)
+BOOLS = (True, False)
 LAYOUTS = ("contiguous", "transposed", "strided", "sliced")
 # Examples per (op, class) on each backend: (ok, each edge class, each bad class).
 # Bad calls stop in the shared checks, before any kernel: cheap everywhere. The slow
@@ -347,6 +348,7 @@ ATTN_BADS: dict[str, Bad] = {
     "bad:indices_T": ("indices", lambda a, d: torch.zeros(a["q"].shape[0] + 1, 2,
                                                           dtype=torch.int64), ()),
     "bad:indices_meta": ("indices", lambda a, d: _meta(a["indices"]), ()),
+    "bad:need_lse_int": ("need_lse", lambda a, d: 1, ()),
 }  # fmt: skip
 
 
@@ -381,7 +383,7 @@ def build_sparse_attention(d: Draw) -> Call:
         scale = d.pick((1e-10, 1e-30))
     elif d.is_("edge:scale_near_max"):  # up to half the float32 maximum: still accepted
         scale = d.pick((1e38, 1.7e38))
-    args = {"q": q, "k": k, "v": v, "indices": indices, "scale": scale}
+    args = {"q": q, "k": k, "v": v, "indices": indices, "scale": scale, "need_lse": d.pick(BOOLS)}
     return _finish("sparse_attention", d, args, dtype, ATTN_BADS)
 
 

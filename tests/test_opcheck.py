@@ -71,12 +71,14 @@ def _has_fp8(args: tuple) -> bool:
 # -- samples --------------------------------------------------------------------------
 
 
-def _sparse_attention(dtype: torch.dtype, hkv: int, dv: int) -> Callable[[], tuple]:
+def _sparse_attention(
+    dtype: torch.dtype, hkv: int, dv: int, need_lse: bool = True
+) -> Callable[[], tuple]:
     def build() -> tuple:
         k = _rand(N, hkv, D, dtype=dtype, seed=2)
         v = k[..., :dv] if dv < D else _rand(N, hkv, dv, dtype=dtype, seed=3)
         indices = torch.tensor([[0, 1, -1], [2, 3, 4], [5, 5, -1]])
-        return _rand(T, 4, D, dtype=dtype, seed=1), k, v, indices, 0.3
+        return _rand(T, 4, D, dtype=dtype, seed=1), k, v, indices, 0.3, need_lse
 
     return build
 
@@ -130,6 +132,11 @@ BF16 = torch.bfloat16
 SAMPLES: list[Sample] = [
     Sample("sparse_attention-fp32-gqa", "sparse_attention", _sparse_attention(torch.float32, 2, D)),
     Sample("sparse_attention-bf16-mla_v_view", "sparse_attention", _sparse_attention(BF16, 1, 6)),
+    Sample(
+        "sparse_attention-fp32-no_lse",
+        "sparse_attention",
+        _sparse_attention(torch.float32, 2, D, False),
+    ),
     Sample("lightning_indexer-fp32", "lightning_indexer", _indexer(torch.float32, 2)),
     Sample("lightning_indexer-bf16", "lightning_indexer", _indexer(BF16, 2)),
     Sample("lightning_indexer-fp8", "lightning_indexer", _indexer(FP8_DTYPE, 2)),
@@ -294,7 +301,7 @@ def test_fake_kernel_rejects_bad_shape(op: str) -> None:
 
 def test_fake_kernel_skips_value_checks() -> None:
     """Fake tensors have no data: an out-of-range index is only caught on real ones."""
-    q, k, v, indices, scale = _first("sparse_attention").args()
+    q, k, v, indices, scale, _ = _first("sparse_attention").args()
     indices = indices.clone()
     indices[0, 0] = N
     with pytest.raises(glmport.OpInputError):
@@ -306,7 +313,7 @@ def test_fake_kernel_skips_value_checks() -> None:
 
 
 def test_torch_compile_fullgraph_matches_eager() -> None:
-    q, k, v, indices, _ = _sparse_attention(torch.float32, 2, D)()
+    q, k, v, indices, _, _ = _sparse_attention(torch.float32, 2, D)()
     weight = _rand(D, seed=7)
 
     def block(q, k, v, indices, weight):

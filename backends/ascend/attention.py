@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from glmport.core.selection import log_fallback_once
+from glmport.core.specs.attention import lse_shape
 
 from ..generic.attention import sparse_attention as generic_sparse_attention
 
@@ -31,6 +32,7 @@ def sparse_attention(
     v: torch.Tensor,
     indices: torch.Tensor,
     scale: float,
+    need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA sparse attention through ``npu.npu_sparse_flash_attention``.
 
@@ -71,8 +73,11 @@ def sparse_attention(
       ``k[..., :512]``: a view of ``k``, recognised from its storage (no sync, what the
       model passes). Any other ``v`` runs the generic backend's composite, logged, even
       one equal in value: comparing it would read the whole cache and sync the host.
-    - lse: ``return_softmax_lse=True`` gives fp32 ``softmax_max`` (max of the scaled
-      scores) and ``softmax_sum`` (``sum exp(s - max)``), ``[1, T, H]`` in TND, so
+    - lse: only when the caller asks (``need_lse``; training and replay records): the
+      page documents ``return_softmax_lse=True`` for training only and not in graph
+      mode, so inference calls leave it False and get ``lse`` as ``[0]``. With it the op
+      gives fp32 ``softmax_max`` (max of the scaled scores) and ``softmax_sum``
+      (``sum exp(s - max)``), ``[1, T, H]`` in TND, so
       ``lse = softmax_max + log(softmax_sum)``. The op leaves a row that selects no
       token undefined (measured: ``softmax_max = -2e38``, ``softmax_sum`` = the slot
       count), so such rows are masked here to ``out = 0``, ``lse = -inf``.
@@ -88,12 +93,13 @@ def sparse_attention(
     has_slot = valid.any(dim=1)  # [T]
     if t == 0 or n == 0 or kk == 0:
         out = torch.zeros((t, h, LATENT), dtype=q.dtype, device=q.device)
-        return out, torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(lse_shape(t, h, need_lse), float("-inf"), device=q.device)
+        return out, lse
     if not _is_latent_view(k, v):
         log_fallback_once(
             "ascend", "sparse_attention", "generic", "cannot take a v that is not k[..., :512] in"
         )
-        return generic_sparse_attention(q, k, v, indices, scale)
+        return generic_sparse_attention(q, k, v, indices, scale, need_lse)
     s2 = max(n, kk)
     key = _padded(k[..., :LATENT], s2)
     slots = torch.where(valid, indices, -1).to(torch.int32)
@@ -116,12 +122,13 @@ def sparse_attention(
         pre_tokens=INT64_MAX,
         next_tokens=INT64_MAX,
         attention_mode=2,
-        return_softmax_lse=True,
+        return_softmax_lse=need_lse,
     )
-    lse = (softmax_max + torch.log(softmax_sum))[0]  # [1, T, H] -> [T, H]
     out = torch.where(has_slot[:, None, None], out, 0.0)
-    lse = torch.where(has_slot[:, None], lse, float("-inf"))
-    return out, lse
+    if not need_lse:
+        return out, softmax_max.new_empty((0,))
+    lse = (softmax_max + torch.log(softmax_sum))[0]  # [1, T, H] -> [T, H]
+    return out, torch.where(has_slot[:, None], lse, float("-inf"))
 
 
 def _is_latent_view(k: torch.Tensor, v: torch.Tensor) -> bool:

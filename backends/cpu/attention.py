@@ -7,7 +7,12 @@ import torch
 from .precision import acc_dtype, out_dtype
 
 
-def sparse_attention(q, k, v, indices, scale):
+def sparse_attention(q, k, v, indices, scale, need_lse=True):
+    out, lse = _attention(q, k, v, indices, scale)
+    return out, lse if need_lse else lse.new_empty((0,))
+
+
+def _attention(q, k, v, indices, scale):
     acc = acc_dtype()
     t, h, dk = q.shape
     n, hkv = k.shape[0], k.shape[1]

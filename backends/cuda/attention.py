@@ -444,6 +444,7 @@ def sparse_attention(
     v: torch.Tensor,
     indices: torch.Tensor,
     scale: float,
+    need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query over its selected key slots.
 
@@ -453,12 +454,16 @@ def sparse_attention(
         v: ``[N, Hkv, Dv]`` same dtype; may be a view of ``k`` (``k[..., :512]``).
         indices: ``[T, K]`` int32 | int64; entries outside ``[0, N)`` are ignored.
         scale: softmax scale.
+        need_lse: whether to return ``lse`` (the kernels write it either way: a
+            ``[T, H]`` float32 store is negligible beside the gathers).
 
     Returns:
         ``out [T, H, Dv]`` in q's dtype (0 for a row with no valid slot) and
-        ``lse [T, H]`` float32, natural log (``-inf`` for such a row).
+        ``lse [T, H]`` float32, natural log (``-inf`` for such a row); ``[0]`` without
+        ``need_lse``.
     """
     g = q.shape[1] // max(k.shape[1], 1)
     head_blocks = math.ceil(g / head_block(q, k, v)) if g else 0
     split_len = plan_split_len(q.shape[0], k.shape[1], head_blocks, indices.shape[1], q.device)
-    return sparse_attention_split(q, k, v, indices, scale, split_len)
+    out, lse = sparse_attention_split(q, k, v, indices, scale, split_len)
+    return out, lse if need_lse else lse.new_empty((0,))

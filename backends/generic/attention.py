@@ -202,7 +202,7 @@ def chunk_rows(q, k, v, indices) -> int:
     return rows_per_tile(per_query, q.shape[0])
 
 
-def sparse_attention(q, k, v, indices, scale):
+def sparse_attention(q, k, v, indices, scale, need_lse=True):
     t, h, _ = q.shape
     out = q.new_empty((t, h, v.shape[-1]))
     lse_out = torch.empty((t, h), dtype=torch.float32, device=q.device)
@@ -213,7 +213,7 @@ def sparse_attention(q, k, v, indices, scale):
         p, lse = _softmax_(c.s, c.every_row_valid, c.weights)
         out[t0:t1] = c.pv(p).reshape(t1 - t0, h, v.shape[-1])
         lse_out[t0:t1] = lse.reshape(t1 - t0, h)
-    return out, lse_out
+    return out, lse_out if need_lse else lse_out.new_empty((0,))
 
 
 def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
@@ -221,8 +221,10 @@ def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
     ``dS = P * (dP - rowsum(dO * O) + dlse)``, ``dq = scale * dS K``, and ``dk``, ``dv``
     scattered back onto the selected slots (added onto the window's rows for a dense
     chunk, where ``P`` already counts a slot listed twice twice)."""
-    q, k, v, indices, scale = inputs
+    q, k, v, indices, scale, need_lse = inputs
     g_out, g_lse = grads
+    if not need_lse:  # no lse was returned: nothing flows back through it
+        g_lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
     t, h, dk = q.shape
     hkv = k.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -260,4 +262,4 @@ def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
         dkf.index_add_(0, flat, dkg.permute(0, 2, 1, 3).reshape(flat.shape[0], hkv, dk))
         dvg = dvg.permute(0, 2, 1, 3).reshape(flat.shape[0], hkv, v.shape[-1])
         dvf.index_add_(0, flat, dvg)
-    return dq.to(q.dtype), dkf.to(k.dtype), dvf.to(v.dtype), None, None
+    return dq.to(q.dtype), dkf.to(k.dtype), dvf.to(v.dtype), None, None, None

@@ -24,9 +24,11 @@ def attention_builder(
     pattern: str = "random",
     index_dtype: str = "int32",
     sharpness: float = 1.0,
+    need_lse: bool = True,
 ) -> Callable[[torch.Generator, torch.dtype], tuple]:
     """``sparse_attention`` arguments; ``sharpness`` multiplies the softmax scale
-    ``Dk ** -0.5`` (40: scores of +-100 and more, past float32's ``exp`` range)."""
+    ``Dk ** -0.5`` (40: scores of +-100 and more, past float32's ``exp`` range);
+    ``need_lse=False`` is an inference call (``lse`` is ``[0]``)."""
 
     def build(gen, dtype):
         q = randn(gen, t, h, dk, dtype=dtype)
@@ -51,7 +53,7 @@ def attention_builder(
                 idx = torch.cat((idx, torch.full((t, k), -1, dtype=torch.int32)), dim=1)
             elif pattern == "wide":  # the ids at 2**16 and the last slot in every row
                 idx[:, :2] = torch.tensor([WIDE_ID, n - 1], dtype=torch.int32)
-        return q, kv, v, idx.to(getattr(torch, index_dtype)), sharpness * dk**-0.5
+        return q, kv, v, idx.to(getattr(torch, index_dtype)), sharpness * dk**-0.5, need_lse
 
     return build
 
@@ -88,6 +90,12 @@ def attention_cases() -> Iterator[Case]:
             True,
         ),
         ("t1", "edge", dict(t=1, h=4, hkv=1, dk=64, dv=32, n=17, k=5), False),
+        (
+            "no_lse",
+            "edge",
+            dict(t=4, h=8, hkv=2, dk=32, dv=16, n=30, k=12, pattern="ragged", need_lse=False),
+            False,
+        ),
         (
             "n_lt_topk",
             "edge",
@@ -135,6 +143,8 @@ def attention_cases() -> Iterator[Case]:
         ("mla_paged_slots", dict(t=3, h=32, n=3000, k=32)),
         ("mla_int64", dict(t=2, h=4, n=50, k=10, index_dtype="int64")),
         ("mla_topk_100", dict(t=2, h=8, n=300, k=100)),
+        # An inference call: no lse asked for (ascend: return_softmax_lse=False).
+        ("mla_no_lse", dict(t=3, h=16, n=40, k=16, pattern="ragged", need_lse=False)),
     ):
         p = {**mla, **p}
         for dtype in FLOATS:

@@ -1,7 +1,7 @@
 """sparse_attention mutants.
 
-(q [T, H, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv], indices [T, K] int32, scale) ->
-(out [T, H, Dv], lse [T, H] float32)
+(q [T, H, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv], indices [T, K] int32, scale, need_lse) ->
+(out [T, H, Dv], lse [T, H] float32, or [0] without need_lse)
 
 Some reimplement the op in torch with the bug in it (an accumulation in the input
 dtype, a softmax without its max) instead of wrapping the base kernel: what they
@@ -23,7 +23,7 @@ def _scale_from(fn: Callable[[torch.Tensor, torch.Tensor, float], float]):
     """The kernel called with the softmax scale ``fn(q, v, scale)``."""
 
     def edit(args: list) -> None:
-        q, _, v, _, scale = args
+        q, _, v, _, scale, _ = args
         args[4] = fn(q, v, scale)
 
     return on_args(edit)
@@ -37,6 +37,11 @@ def _minus_one_reads(slot: Callable[[torch.Tensor], int]):
         args[3] = torch.where(indices < 0, slot(k), indices)
 
     return on_args(edit)
+
+
+def _asked(lse: torch.Tensor, need_lse: bool) -> torch.Tensor:
+    """A reimplementation's lse as the contract returns it: ``[0]`` unless asked for."""
+    return lse if need_lse else lse.new_empty((0,))
 
 
 def _lse_rewritten(change: Callable[[torch.Tensor], torch.Tensor]):
@@ -85,8 +90,8 @@ for _name, _kind, _breaks, _needs, _wrap in _SIMPLE:
     "edge: all_minus_one",
 )
 def _empty_row_nan(kernel):
-    def mutated(q, k, v, indices, scale):
-        out, lse = kernel(q, k, v, indices, scale)
+    def mutated(q, k, v, indices, scale, need_lse=True):
+        out, lse = kernel(q, k, v, indices, scale, need_lse)
         empty = ~((indices >= 0) & (indices < k.shape[0])).any(dim=1)
         return out.masked_fill(empty[:, None, None], float("nan")), lse
 
@@ -101,8 +106,8 @@ def _empty_row_nan(kernel):
     "tiny (separate k and v)",
 )
 def _v_from_k(kernel):
-    def mutated(q, k, v, indices, scale):
-        return kernel(q, k, k[..., : v.shape[-1]], indices, scale)
+    def mutated(q, k, v, indices, scale, need_lse=True):
+        return kernel(q, k, k[..., : v.shape[-1]], indices, scale, need_lse)
 
     return mutated
 
@@ -115,15 +120,15 @@ def _v_from_k(kernel):
     "edge: gqa_hkv4",
 )
 def _gqa_modulo(kernel):
-    def mutated(q, k, v, indices, scale):
+    def mutated(q, k, v, indices, scale, need_lse=True):
         # Permute the heads so that the kernel's grouping does exactly that.
         h, hkv = q.shape[1], k.shape[1]
         heads = torch.arange(h, device=q.device)
         pos = (heads % hkv) * (h // hkv) + heads // hkv
         permuted = torch.empty_like(q)
         permuted[:, pos] = q
-        out, lse = kernel(permuted, k, v, indices, scale)
-        return out[:, pos], lse[:, pos]
+        out, lse = kernel(permuted, k, v, indices, scale, need_lse)
+        return out[:, pos], lse[:, pos] if need_lse else lse
 
     return mutated
 
@@ -148,7 +153,7 @@ def _scores(q, k, indices, scale):
     "glm5 (2048 slots in bfloat16)",
 )
 def _low_accumulation(kernel):
-    def mutated(q, k, v, indices, scale):
+    def mutated(q, k, v, indices, scale, need_lse=True):
         acc = q.dtype
         t, h, _ = q.shape
         group = h // k.shape[1]
@@ -162,7 +167,8 @@ def _low_accumulation(kernel):
             total = total + p[:, :, j].to(acc)
             out = out + (p[:, :, j, None] * vj).to(acc)
         lse = total.float().log() + peak[..., 0]
-        return (out.float() / total.float().clamp_min(1e-30)[..., None]).to(q.dtype), lse
+        out = (out.float() / total.float().clamp_min(1e-30)[..., None]).to(q.dtype)
+        return out, _asked(lse, need_lse)
 
     return mutated
 
@@ -175,7 +181,7 @@ def _low_accumulation(kernel):
     "sparse_attention with large scores",
 )
 def _no_max(kernel):
-    def mutated(q, k, v, indices, scale):
+    def mutated(q, k, v, indices, scale, need_lse=True):
         group = q.shape[1] // k.shape[1]
         s, slots = _scores(q, k, indices, scale)
         e = torch.exp(s)
@@ -183,7 +189,7 @@ def _no_max(kernel):
         vg = v.float()[slots].repeat_interleave(group, dim=2)  # [T, K, H, Dv]
         out = torch.einsum("thk,tkhd->thd", e, vg) / total[..., None]
         out = torch.where(total[..., None] > 0, out, 0.0)
-        return out.to(q.dtype), total.log()
+        return out.to(q.dtype), _asked(total.log(), need_lse)
 
     return mutated
 
@@ -196,11 +202,11 @@ def _no_max(kernel):
     DUPLICATE_SLOTS,
 )
 def _dedup(kernel):
-    def mutated(q, k, v, indices, scale):
+    def mutated(q, k, v, indices, scale, need_lse=True):
         ordered, order = indices.sort(dim=1, stable=True)
         again = torch.zeros_like(ordered, dtype=torch.bool)
         again[:, 1:] = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
         repeated = torch.zeros_like(again).scatter(1, order, again)
-        return kernel(q, k, v, indices.masked_fill(repeated, -1), scale)
+        return kernel(q, k, v, indices.masked_fill(repeated, -1), scale, need_lse)
 
     return mutated

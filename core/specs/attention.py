@@ -8,7 +8,7 @@ from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level
 from .base import OpSpec, invoke
 
 
-def _check(c: Checker, q, k, v, indices, scale, *, values):
+def _check(c: Checker, q, k, v, indices, scale, need_lse=True, *, values):
     c.tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     t, h, dk = q.shape
     c.tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
@@ -24,6 +24,8 @@ def _check(c: Checker, q, k, v, indices, scale, *, values):
     # Kernels scale scores by it times log2(e) (exp2 softmax): keep that finite too.
     c.within_range("scale", 2 * scale, "2 * scale")
     c.same_device(q=q, k=k, v=v, indices=indices)
+    if not isinstance(need_lse, bool):
+        c.fail("need_lse", "a bool", repr(need_lse))
     if values:
         c.in_range("indices", indices, -1, n)  # T x K ints: what a gather could misuse
     if values >= Level.STRICT:  # max |k|, |v| read the whole cache: as long as a decode step
@@ -37,26 +39,35 @@ def _check(c: Checker, q, k, v, indices, scale, *, values):
         c.within_range("v", indices.shape[1] * c.magnitude(v), "K * max|v|")
 
 
-def _guarded_outputs(outs, q, k, v, indices, scale):
+def _guarded_outputs(outs, q, k, v, indices, scale, need_lse=True):
     """Overflowed scores show as NaN or inf in ``out`` and ``lse``, or as an ``lse`` of
     ``-inf`` on a row that has a valid slot (only an empty row's is ``-inf``)."""
     out, lse = outs
+    if not need_lse:
+        return [("out", out, 0)]
     empty_rows = ~((indices >= 0) & (indices < k.shape[0])).any(dim=1)
     return [("out", out, 0), ("lse", lse, empty_rows.sum() * q.shape[1])]
 
 
-def _fake(q, k, v, indices, scale):
+def _fake(q, k, v, indices, scale, need_lse=True):
     t, h = q.shape[0], q.shape[1]
-    return q.new_empty((t, h, v.shape[-1])), q.new_empty((t, h), dtype=torch.float32)
+    return q.new_empty((t, h, v.shape[-1])), q.new_empty(
+        lse_shape(t, h, need_lse), dtype=torch.float32
+    )
+
+
+def lse_shape(t: int, h: int, need_lse: bool) -> tuple[int, ...]:
+    """``lse``'s shape: ``[T, H]`` when the caller asked for it, else ``[0]``."""
+    return (t, h) if need_lse else (0,)
 
 
 SPARSE_ATTENTION = OpSpec(
     name="sparse_attention",
-    schema="(Tensor q, Tensor k, Tensor v, Tensor indices, float scale) "
+    schema="(Tensor q, Tensor k, Tensor v, Tensor indices, float scale, bool need_lse=True) "
     "-> (Tensor out, Tensor lse)",
     check=_check,
     fake=_fake,
-    features=lambda q, k, v, indices, scale: {
+    features=lambda q, k, v, indices, scale, need_lse=True: {
         "dtype": q.dtype,
         "q_heads": q.shape[1],
         "kv_heads": k.shape[1],
@@ -76,6 +87,7 @@ def sparse_attention(
     v: torch.Tensor,
     indices: torch.Tensor,
     scale: float,
+    need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query over its selected key slots only.
 
@@ -92,14 +104,19 @@ def sparse_attention(
         indices: ``[T, K]`` int32 | int64 physical slot ids in ``[-1, N)``, shared by
             all heads (dense causal attention is ``indices = all earlier slots``).
         scale: softmax scale, finite, ``> 0`` and at most half the float32 maximum.
+        need_lse: whether the caller reads ``lse`` (training, replay records, merging
+            partial attentions). Inference passes False, so vendor kernels run in their
+            inference mode (Ascend's ``npu_sparse_flash_attention`` documents
+            ``return_softmax_lse`` for training only).
 
     Returns:
         out: ``[T, H, Dv]`` in ``q``'s dtype; ``0`` for a row with no valid slot.
         lse: ``[T, H]`` fp32 natural-log log-sum-exp of the scaled scores; ``-inf``
-        for a row with no valid slot.
+        for a row with no valid slot. With ``need_lse=False`` an empty ``[0]`` fp32
+        tensor (and no gradient flows through it).
 
     Scores beyond float32 (``scale * |q . k|`` over ``~3.4e38``) are refused with an
     ``OpInputError`` naming ``scale``: before the kernel under
     ``GLMPORT_VALIDATE=strict``, from the overflow in the outputs under ``full``.
     """
-    return invoke(SPARSE_ATTENTION, q, k, v, indices, scale)
+    return invoke(SPARSE_ATTENTION, q, k, v, indices, scale, need_lse)
