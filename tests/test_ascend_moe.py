@@ -191,24 +191,21 @@ def test_dispatch_out_of_range_ids_go_after_every_expert(id_dtype):
     assert torch.equal(src_row.sort().values, torch.arange(ids.numel(), dtype=torch.int32))
 
 
-def test_dispatch_checked_ids_take_the_fast_template_arguments():
-    """GLM-5's 256 experts, count mode, the scatter index: the page's fast templates."""
+@pytest.mark.parametrize(("meta", "experts", "expert_num"), [(False, 256, 256), (True, 6, 7)])
+def test_dispatch_calls_init_routing_drop_less_with_the_scatter_index(
+    request, meta, experts, expert_num
+):
+    """Checked ids take the page's fast templates (GLM-5's 256 experts, count mode, the
+    scatter index); unchecked ones (GLMPORT_VALIDATE=meta) park on one extra expert."""
+    if meta:
+        request.getfixturevalue("meta_mode")
     spy = Spy()
-    moe.moe_dispatch(spy, torch.randn(4, 8), route(4, 8, 256, seed=21), 256)
+    moe.moe_dispatch(spy, torch.randn(4, 8), route(4, 2, experts, seed=21), experts)
     (name, kwargs), *rest = spy.calls
     assert name == "npu_moe_init_routing_v2" and not rest
-    assert kwargs["expert_num"] == 256 and kwargs["active_expert_range"] == [0, 256]
-    assert kwargs["drop_pad_mode"] == 0 and kwargs["active_num"] == 32
-    assert kwargs["row_idx_type"] == 1 and kwargs["expert_tokens_num_type"] == 1
-
-
-@pytest.mark.usefixtures("meta_mode")
-def test_dispatch_unchecked_ids_park_on_one_extra_expert():
-    spy = Spy()
-    moe.moe_dispatch(spy, torch.randn(4, 8), route(4, 2, 6, seed=21), 6)
-    (name, kwargs), *rest = spy.calls
-    assert name == "npu_moe_init_routing_v2" and not rest
-    assert kwargs["expert_num"] == 7 and kwargs["active_expert_range"] == [0, 7]
+    assert kwargs["expert_num"] == expert_num
+    assert kwargs["active_expert_range"] == [0, expert_num]
+    assert kwargs["drop_pad_mode"] == 0 and kwargs["active_num"] == 8
     assert kwargs["row_idx_type"] == 1 and kwargs["expert_tokens_num_type"] == 1
 
 
