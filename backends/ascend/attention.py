@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from glmport.core.selection import log_fallback_once
-from glmport.core.specs.attention import lse_shape
+from glmport.core.specs.attention import lse_as_asked
 
 from ..generic.attention import sparse_attention as generic_sparse_attention
 
@@ -93,8 +93,8 @@ def sparse_attention(
     has_slot = valid.any(dim=1)  # [T]
     if t == 0 or n == 0 or kk == 0:
         out = torch.zeros((t, h, LATENT), dtype=q.dtype, device=q.device)
-        lse = torch.full(lse_shape(t, h, need_lse), float("-inf"), device=q.device)
-        return out, lse
+        lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device)
+        return out, lse_as_asked(lse, need_lse)
     if not _is_latent_view(k, v):
         log_fallback_once(
             "ascend", "sparse_attention", "generic", "cannot take a v that is not k[..., :512] in"
@@ -125,7 +125,7 @@ def sparse_attention(
         return_softmax_lse=need_lse,
     )
     out = torch.where(has_slot[:, None, None], out, 0.0)
-    if not need_lse:
+    if not need_lse:  # the op computed no softmax_max / softmax_sum: lse is [0]
         return out, softmax_max.new_empty((0,))
     lse = (softmax_max + torch.log(softmax_sum))[0]  # [1, T, H] -> [T, H]
     return out, torch.where(has_slot[:, None], lse, float("-inf"))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from glmport.core.specs.attention import lse_as_asked
+
 from .precision import acc_dtype, out_dtype
 
 
 def sparse_attention(q, k, v, indices, scale, need_lse=True):
     out, lse = _attention(q, k, v, indices, scale)
-    return out, lse if need_lse else lse.new_empty((0,))
+    return out, lse_as_asked(lse, need_lse)
 
 
 def _attention(q, k, v, indices, scale):

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glmport.core.specs.attention import lse_as_asked
+
 from .runtime import dot_dtype, interpreter_plan, next_pow2, rounded_to, sm_count, to_dot, tuned
 
 _LOG2E = 1.4426950408889634
@@ -466,4 +468,4 @@ def sparse_attention(
     head_blocks = math.ceil(g / head_block(q, k, v)) if g else 0
     split_len = plan_split_len(q.shape[0], k.shape[1], head_blocks, indices.shape[1], q.device)
     out, lse = sparse_attention_split(q, k, v, indices, scale, split_len)
-    return out, lse if need_lse else lse.new_empty((0,))
+    return out, lse_as_asked(lse, need_lse)

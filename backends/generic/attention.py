@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from glmport.core.specs.attention import lse_as_asked
+
 from .tiling import rows_per_tile
 
 # How much wider than K a dense window may be and still beat the gather on a CPU
@@ -213,7 +215,7 @@ def sparse_attention(q, k, v, indices, scale, need_lse=True):
         p, lse = _softmax_(c.s, c.every_row_valid, c.weights)
         out[t0:t1] = c.pv(p).reshape(t1 - t0, h, v.shape[-1])
         lse_out[t0:t1] = lse.reshape(t1 - t0, h)
-    return out, lse_out if need_lse else lse_out.new_empty((0,))
+    return out, lse_as_asked(lse_out, need_lse)
 
 
 def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:

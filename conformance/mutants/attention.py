@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from glmport.core.specs.attention import lse_as_asked
+
 from .base import DUPLICATE_SLOTS, IDS_2P16, LN2, add, ids_16bit, mutant, on_args, replace_args
 
 OP = "sparse_attention"
@@ -37,11 +39,6 @@ def _minus_one_reads(slot: Callable[[torch.Tensor], int]):
         args[3] = torch.where(indices < 0, slot(k), indices)
 
     return on_args(edit)
-
-
-def _asked(lse: torch.Tensor, need_lse: bool) -> torch.Tensor:
-    """A reimplementation's lse as the contract returns it: ``[0]`` unless asked for."""
-    return lse if need_lse else lse.new_empty((0,))
 
 
 def _lse_rewritten(change: Callable[[torch.Tensor], torch.Tensor]):
@@ -168,7 +165,7 @@ def _low_accumulation(kernel):
             out = out + (p[:, :, j, None] * vj).to(acc)
         lse = total.float().log() + peak[..., 0]
         out = (out.float() / total.float().clamp_min(1e-30)[..., None]).to(q.dtype)
-        return out, _asked(lse, need_lse)
+        return out, lse_as_asked(lse, need_lse)
 
     return mutated
 
@@ -189,7 +186,7 @@ def _no_max(kernel):
         vg = v.float()[slots].repeat_interleave(group, dim=2)  # [T, K, H, Dv]
         out = torch.einsum("thk,tkhd->thd", e, vg) / total[..., None]
         out = torch.where(total[..., None] > 0, out, 0.0)
-        return out.to(q.dtype), _asked(total.log(), need_lse)
+        return out.to(q.dtype), lse_as_asked(total.log(), need_lse)
 
     return mutated
 

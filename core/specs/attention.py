@@ -61,6 +61,12 @@ def lse_shape(t: int, h: int, need_lse: bool) -> tuple[int, ...]:
     return (t, h) if need_lse else (0,)
 
 
+def lse_as_asked(lse: torch.Tensor, need_lse: bool) -> torch.Tensor:
+    """A kernel's computed ``lse [T, H]`` as the op returns it: itself when the caller
+    asked for it, else an empty ``[0]`` of its dtype and device."""
+    return lse if need_lse else lse.new_empty((0,))
+
+
 SPARSE_ATTENTION = OpSpec(
     name="sparse_attention",
     schema="(Tensor q, Tensor k, Tensor v, Tensor indices, float scale, bool need_lse=True) "
