@@ -104,7 +104,9 @@ def npu_lightning_indexer(
     _check_attributes(
         layout_query, layout_key, sparse_count, sparse_mode, pre_tokens, next_tokens, return_value
     )
-    _check_inputs(query, key, weights)
+    build = current_build()
+    any_heads = indexer_takes_any_heads(build.version)  # the contract this build documents
+    _check_inputs(query, key, weights, any_heads)
     batches = _batches(
         query,
         key,
@@ -114,6 +116,7 @@ def npu_lightning_indexer(
         actual_seq_lengths_key,
         layout_query,
         layout_key,
+        any_heads,
     )
     n1 = query.shape[-2]
     q_rows = query.reshape(-1, n1, HEAD_DIM).float()
@@ -136,7 +139,7 @@ def npu_lightning_indexer(
         best, order = torch.sort(scores, dim=1, descending=True, stable=True)
         width = min(sparse_count, s2)
         keep = torch.arange(width)[None, :] < visible.sum(dim=1, keepdim=True)
-        if current_build().indexer_positions == "global":
+        if build.indexer_positions == "global":
             order = order + key_start
         indices[q0 : q0 + s1, :width] = torch.where(keep, order[:, :width], -1).to(torch.int32)
         values[q0 : q0 + s1, :width] = torch.where(keep, best[:, :width], float("-inf"))
@@ -182,7 +185,9 @@ def _check_attributes(
     )
 
 
-def _check_inputs(query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor) -> None:
+def _check_inputs(
+    query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, any_heads: bool
+) -> None:
     half = (torch.bfloat16, torch.float16)
     require(query.dtype in half, OP, f"query must be bfloat16 or float16, got {query.dtype}")
     require(
@@ -190,7 +195,7 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor)
         OP,
         f"key must have query's dtype {query.dtype}, got {key.dtype}",
     )
-    if indexer_takes_any_heads(current_build().version):
+    if any_heads:
         require(
             weights.dtype in (query.dtype, torch.float32),
             OP,
@@ -240,8 +245,8 @@ def _check_length_tensor(lengths: object, name: str) -> None:
 
 
 def _batches(
-    query, key, weights, block_table, act_q, act_k, layout_query, layout_key
-) -> list[tuple[int, int, torch.Tensor]]:
+    query, key, weights, block_table, act_q, act_k, layout_query, layout_key, any_heads
+) -> list[tuple[int, int, torch.Tensor, int]]:
     """``(first query row, S1, keys [S2, D] float32, first key row)`` per batch, after
     the shape checks. Query rows are counted in ``query.reshape(-1, N1, D)``; the first
     key row is the batch's offset in a TND key tensor (0 in the other layouts)."""
@@ -261,7 +266,7 @@ def _batches(
         q_starts = [s for s, _ in segments]
         q_lens = [e - s for s, e in segments]
     n1, d = query.shape[-2:]
-    if indexer_takes_any_heads(current_build().version):
+    if any_heads:
         require(
             1 <= n1 <= MAX_QUERY_HEADS,
             OP,
