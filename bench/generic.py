@@ -191,8 +191,19 @@ def bench_validation(n: int, repeats: int) -> list[dict]:
             a["qi"], a["ki"], a["w"], a["k_start"], a["k_end"], TOPK
         )
     args = {
-        "lightning_indexer": (a["qi"], a["ki"], a["w"], a["k_start"], a["k_end"], TOPK, None, None),
-        "sparse_attention": (a["q"], a["kv"], a["kv"][..., :DV], idx, SCALE, False),
+        "lightning_indexer": (
+            a["qi"],
+            a["ki"],
+            a["w"],
+            a["k_start"],
+            a["k_end"],
+            TOPK,
+            None,
+            None,
+            None,
+            True,
+        ),
+        "sparse_attention": (a["q"], a["kv"], a["kv"][..., :DV], idx, SCALE, False, None),
     }
     rows = []
     for op in ("lightning_indexer", "sparse_attention"):

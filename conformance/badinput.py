@@ -43,6 +43,11 @@ def _broadcast_rows(rows: int):
     return lambda t: t[:1].expand(rows, *t.shape[1:])
 
 
+def _int_table(dtype: torch.dtype):
+    """An integer tensor where an optional argument was None (a one-entry table)."""
+    return lambda _: torch.zeros(1, 1, dtype=dtype)
+
+
 # Beyond any device's memory in every dtype, and past what kernels take as an int32.
 HUGE_ROWS = 2**40
 INT32_PAST = 2**31
@@ -55,6 +60,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("sparse_attention", "nan_scale", "scale", lambda s: float("nan")),
     BadInput("sparse_attention", "key_dim_mismatch", "k", lambda k: k[..., :-1]),
     BadInput("sparse_attention", "int_need_lse", "need_lse", lambda _: 1),
+    BadInput("sparse_attention", "int_rope_key", "k_rope", _int_table(torch.int32)),
     BadInput("lightning_indexer", "k_end_past_n", "k_end", _fill(10**6)),
     BadInput("lightning_indexer", "negative_k_start", "k_start", _fill(-1)),
     BadInput("lightning_indexer", "topk_zero", "topk", lambda k: 0),
@@ -62,6 +68,8 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("lightning_indexer", "nan_query", "q", _set_first(float("nan"))),
     BadInput("lightning_indexer", "topk_past_int32", "topk", lambda k: INT32_PAST),
     BadInput("lightning_indexer", "keys_past_memory", "k", _broadcast_rows(HUGE_ROWS)),
+    BadInput("lightning_indexer", "int64_block_table", "block_table", _int_table(torch.int64)),
+    BadInput("lightning_indexer", "int_need_scores", "need_scores", lambda _: 1),
     BadInput("indexer_logits", "start_after_end", "k_start", lambda s: s + 10**3),
     BadInput("moe_gate", "top_k_too_large", "top_k", lambda k: 10**3),
     BadInput("moe_gate", "unknown_score_func", "score_func", lambda f: "relu"),

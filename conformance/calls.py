@@ -13,6 +13,7 @@ from glmport.core.registry import ANY_DEVICE, REGISTRY, Kernel
 from glmport.core.selection import selected_device
 
 from .cases.base import Case, prefix_width
+from .paging import logits_args
 
 
 def device_for(device_type: str) -> torch.device:
@@ -73,6 +74,5 @@ def reference(case: Case, args: tuple) -> torch.Tensor | tuple:
     kernels, float64 = reference_kernels()
     with float64():
         if case.judge == "indexer":
-            q, k, w, ks, ke, _, qs, kss = args
-            return kernels["indexer_logits"](q, k, w, ks, ke, qs, kss)
+            return kernels["indexer_logits"](*logits_args(args))
         return kernels[case.op](*args)

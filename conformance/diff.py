@@ -366,6 +366,17 @@ def _diff_call(
     return diff
 
 
+def _own_diverges(c: CallDiff) -> bool:
+    """Whether B's own run left A's at this call: outputs beyond the op's tolerance,
+    or another choice (an inference indexer call returns no scores to compare)."""
+    if (
+        c.own_max_rel is not None
+        and c.own_max_rel > tolerance(c.op, getattr(torch, c.dtype)).max_rel
+    ):
+        return True
+    return c.own_choice_agreement is not None and c.own_choice_agreement < 1.0
+
+
 def diff_backends(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -400,15 +411,7 @@ def diff_backends(
         mate_outputs = None if mate is None else b.calls[mate].outputs
         calls.append(_diff_call(i, call, mate_outputs, (name_b, em_b), (name_a, em_a)))
     first = next((c for c in calls if not c.ok), None)
-    first_own = next(
-        (
-            c
-            for c in calls
-            if c.own_max_rel is not None
-            and c.own_max_rel > tolerance(c.op, getattr(torch, c.dtype)).max_rel
-        ),
-        None,
-    )
+    first_own = next((c for c in calls if _own_diverges(c)), None)
     logits = pair_metrics(a.logp, b.logp, a.greedy, b.greedy)
     report = DiffReport(
         backends=(name_a, name_b),

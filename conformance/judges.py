@@ -15,6 +15,8 @@ import torch
 from glmport.core.formats import FLOAT_WEIGHT, FP8_DTYPE, dequantize_weight
 from glmport.core.tolerance import LOGPROB_ULPS, Tolerance, compare, tolerance
 
+from .paging import packed_indexer_call
+
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 
 
@@ -230,6 +232,17 @@ def _tie_order_error(t, chosen, lo, labels, zero) -> str:
     return ""
 
 
+def _ranked_by_reference(idx: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``idx [T, K]`` (any order, ``-1`` anywhere) with the reference's scores of its
+    keys, each row best first, the lower slot first among equal scores, ``-1`` last."""
+    i = idx.long().cpu()
+    scores = torch.where(i >= 0, ref.gather(1, i.clamp_min(0)), float("-inf"))
+    by_slot = torch.where(i >= 0, i, torch.iinfo(torch.int64).max).argsort(dim=1, stable=True)
+    i, scores = i.gather(1, by_slot), scores.gather(1, by_slot)
+    best = scores.argsort(dim=1, descending=True, stable=True)
+    return i.gather(1, best), scores.gather(1, best)
+
+
 def indexer(op, dtype, args, outs, refs) -> Verdict:
     """Tie-safe top-k: valid, unique, in-range indices, ``-1`` exactly when fewer keys
     are valid; every chosen key scores at least the reference's k-th best (minus the
@@ -238,8 +251,19 @@ def indexer(op, dtype, args, outs, refs) -> Verdict:
     returned scores close to the reference scores of the chosen keys. Where scores
     tie exactly on every backend (identical keys, ReLU zeros: :func:`_exact_ties`)
     the documented order is required: the lower slot wins and comes first.
-    ``refs`` here is the reference's full ``[T, N]`` score matrix."""
+    ``refs`` here is the reference's full ``[T, N]`` score matrix (of the packed
+    equivalent of a paged call, :mod:`~glmport.conformance.paging`, which is judged so).
+    Without ``need_scores`` the scores must be ``[0]``, a row's order is free, and the
+    chosen keys are ranked by the reference's scores before the same checks."""
     (idx, sc), ref = outs, refs
+    need_scores = args[9] if len(args) > 9 else True
+    if len(args) > 8 and args[8] is not None:
+        packed = packed_indexer_call(args)
+        args, idx = packed.args, packed.to_packed(idx)
+    if not need_scores:
+        if sc.numel():
+            return Verdict(False, f"scores are {list(sc.shape)}: [0] expected without need_scores")
+        idx, sc = _ranked_by_reference(idx, ref)
     k_start, k_end, topk = args[3].long(), args[4].long(), args[5]
     labels, q_pos, q_neg = _exact_ties(args)
     tol = tolerance(op, dtype)

@@ -20,6 +20,7 @@ from glmport.core.trace import OpCall, trace_ops
 from .calls import device_for
 from .cases.base import Case
 from .judges import JUDGE_OF_OP, JUDGES, Verdict
+from .paging import logits_args
 from .runner import Check, Record, run_check
 from .scorecard import worst_ratio
 
@@ -71,10 +72,9 @@ def _references(call: OpCall, backend: str, emulate: bool) -> tuple:
     ``[T, N]`` score matrix on the same inputs (its judge is tie-safe on scores)."""
     if JUDGE_OF_OP.get(call.op) != "indexer":
         return call.outputs
-    q, k, w, ks, ke, _, qs, kss = call.args
     device = backend_device(backend, emulate)
     with use_backend(backend, emulate=emulate), torch.no_grad():
-        scores = glmport.ops.indexer_logits(*(_on(x, device) for x in (q, k, w, ks, ke, qs, kss)))
+        scores = glmport.ops.indexer_logits(*(_on(x, device) for x in logits_args(call.args)))
     return scores.double().cpu()
 
 

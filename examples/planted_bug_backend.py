@@ -18,11 +18,11 @@ import torch
 from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest, Kernel
 
 
-def _sparse_attention_ignoring_padding(q, k, v, indices, scale, need_lse=True):
+def _sparse_attention_ignoring_padding(q, k, v, indices, scale, need_lse=True, k_rope=None):
     """The reference kernel with every ``-1`` index turned into the last key slot."""
     reference = REGISTRY.kernels(REGISTRY.reference(), False)["sparse_attention"]
     idx = torch.where(indices < 0, k.shape[0] - 1, indices)
-    return reference(q, k, v, idx, scale, need_lse)
+    return reference(q, k, v, idx, scale, need_lse, k_rope)
 
 
 class PlantedBug(Backend):

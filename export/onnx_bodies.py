@@ -26,21 +26,41 @@ from .onnx_body import (
 )
 
 
+def _paged_rows(b: Body, table: str, k: str) -> str:
+    """``[T, M * block_size]`` int64 rows of a paged pool ``k [blocks, block_size, ...]``
+    holding each query's logical positions (``core/specs/indexer.paged_slots``)."""
+    size = b.dim(k, 1)
+    pos = arange(b, b("Mul", b.dim(table, 1), size))
+    last = b("Sub", b.dim(k, 0), b.ints(1))
+    blocks = b("Gather", b("Cast", table, to=7), b("Div", pos, size), axis=1)
+    blocks = b("Min", b("Max", blocks, b.const(0, "int64")), last)  # unread entries: any id
+    return b("Add", b("Mul", blocks, size), b("Mod", pos, size))
+
+
 def _scores(b: Body, t: dict[str, str | None]) -> str:
-    """Indexer scores ``[T, N]`` float32, ``-inf`` outside ``[k_start, k_end)``."""
+    """Indexer scores ``[T, N]`` float32 (``[T, M * block_size]`` over logical positions
+    when paged), ``-inf`` outside ``[k_start, k_end)``."""
     fp8 = t["q_scale"] is not None
+    table = t.get("block_table")
     q = from_fp8(b, t["q"]) if fp8 else b.f32(t["q"])
     k = from_fp8(b, t["k"]) if fp8 else b.f32(t["k"])
-    dots = b("MatMul", q, transpose(b, k, 1, 0))  # [T, Hi, N]
+    k_scale = t["k_scale"]
+    if table is None:
+        dots = b("MatMul", q, transpose(b, k, 1, 0))  # [T, Hi, N]
+        if fp8:
+            k_scale = b("Unsqueeze", k_scale, b.ints(0, 1))
+    else:  # each query's keys gathered in logical order: [T, L, Di]
+        rows = _paged_rows(b, table, t["k"])
+        flat = b.reshape(k, b("Mul", b.dim(k, 0), b.dim(k, 1)), b.dim(k, 2))
+        dots = b("MatMul", q, transpose(b, b("Gather", flat, rows, axis=0), 0, 2, 1))
+        if fp8:
+            flat_scale = b.reshape(k_scale, b("Mul", b.dim(k_scale, 0), b.dim(k_scale, 1)))
+            k_scale = b("Unsqueeze", b("Gather", flat_scale, rows), b.ints(1))
     if fp8:
-        dots = b(
-            "Mul",
-            b("Mul", dots, b("Unsqueeze", t["q_scale"], b.ints(2))),
-            b("Unsqueeze", t["k_scale"], b.ints(0, 1)),
-        )
+        dots = b("Mul", b("Mul", dots, b("Unsqueeze", t["q_scale"], b.ints(2))), k_scale)
     w = b("Unsqueeze", t["weights"], b.ints(1))
     scores = b("Squeeze", b("MatMul", w, b("Relu", dots)), b.ints(1))  # [T, N]
-    slots = b("Unsqueeze", arange(b, b.dim(k, 0)), b.ints(0))
+    slots = b("Unsqueeze", arange(b, b.dim(scores, 1)), b.ints(0))
     start = b("Unsqueeze", b("Cast", t["k_start"], to=7), b.ints(1))
     end = b("Unsqueeze", b("Cast", t["k_end"], to=7), b.ints(1))
     valid = b("And", b("GreaterOrEqual", slots, start), b("Less", slots, end))
@@ -52,7 +72,7 @@ def _scores(b: Body, t: dict[str, str | None]) -> str:
 
 def _lightning_indexer(b, t, a):
     scores = _scores(b, t)
-    n, rows = b.dim(t["k"], 0), b.dim(t["q"], 0)
+    n, rows = b.dim(scores, 1), b.dim(t["q"], 0)
     zero = b.ints(0)
     start = b("Min", b("Max", b("Cast", t["k_start"], to=7), zero), n)
     end = b("Max", b("Min", b("Max", b("Cast", t["k_end"], to=7), zero), n), start)
@@ -63,6 +83,8 @@ def _lightning_indexer(b, t, a):
     values, slots = b("TopK", padded, topk, axis=1, largest=1, sorted=1, outputs=2)
     keep = b("Less", b("Unsqueeze", arange(b, topk), b.ints(0)), count)
     indices = b("Cast", b("Where", keep, slots, b.const(-1, "int64")), to=6)
+    if not a["need_scores"]:
+        return [indices, b.const([], "float32")]  # [0]: the caller reads no scores
     return [indices, b("Where", keep, values, b.const(-INF))]
 
 
@@ -71,7 +93,8 @@ def _indexer_logits(b, t, a):
 
 
 def _sparse_attention(b, t, a):
-    q, k, v = b.f32(t["q"]), b.f32(t["k"]), b.f32(t["v"])
+    k = t["k"] if t["k_rope"] is None else b("Concat", t["k"], t["k_rope"], axis=2)
+    q, k, v = b.f32(t["q"]), b.f32(k), b.f32(t["v"])
     rows, h, dk = b.dim(q, 0), b.dim(q, 1), b.dim(q, 2)
     n, hkv, dv = b.dim(k, 0), b.dim(k, 1), b.dim(v, 2)
     kk = b.dim(t["indices"], 1)

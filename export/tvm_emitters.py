@@ -44,12 +44,33 @@ def _clamped_ranges(g: Graph, k_start: Any, k_end: Any, n: Any) -> tuple[Any, An
     return start, end
 
 
-def _scores(g: Graph, q, k, weights, k_start, k_end, q_scale, k_scale):
-    """``[T, N]`` fp32 indexer scores, ``-inf`` outside each query's key range, and the
-    clamped ``[T]`` ranges."""
+def _paged_keys(g: Graph, k, block_table) -> Any:
+    """Each query's keys of a paged pool ``k [blocks, block_size, Di]`` in logical
+    order, ``[T, M * block_size, Di]`` fp32 (``core/specs/indexer.paged_slots``)."""
     op = g.op
-    t, n = g.shape(q)[0], g.shape(k)[0]
-    dots = g.matmul(g.f32(q), g(op.permute_dims(g.f32(k))))  # [T, Hi, N]
+    blocks, size, di = g.shape(k)
+    m = g.shape(block_table)[1]
+    pos = g(op.arange(0, m * size, 1, "int64"))
+    table = g.clamp(g.i64(block_table), g.const(0, "int64"), g.dim(blocks - 1))
+    page = g(op.take(table, op.floor_divide(pos, g.dim(size)), axis=1))  # [T, L]
+    rows = g(op.add(op.multiply(page, g.dim(size)), op.floor_mod(pos, g.dim(size))))
+    flat = g(op.reshape(g.f32(k), [blocks * size, di]))
+    return g(op.take(flat, rows, axis=0))
+
+
+def _scores(g: Graph, q, k, weights, k_start, k_end, q_scale, k_scale, block_table=None):
+    """``[T, N]`` fp32 indexer scores (``[T, M * block_size]`` over logical positions
+    when paged), ``-inf`` outside each query's key range, and the clamped ``[T]``
+    ranges."""
+    op = g.op
+    t = g.shape(q)[0]
+    if block_table is None:
+        n = g.shape(k)[0]
+        dots = g.matmul(g.f32(q), g(op.permute_dims(g.f32(k))))  # [T, Hi, N]
+    else:  # fp8 is outside TVM's capabilities: no k_scale here
+        keys = _paged_keys(g, k, block_table)  # [T, L, Di]
+        n = g.shape(keys)[1]
+        dots = g.matmul(g.f32(q), g(op.permute_dims(keys, [0, 2, 1])))  # [T, Hi, L]
     if q_scale is not None:
         dots = g(op.multiply(g(op.multiply(dots, op.expand_dims(q_scale, 2))), k_scale))
     # relu that keeps NaN (a dot product whose terms overflowed to +inf and -inf):
@@ -67,12 +88,25 @@ def _scores(g: Graph, q, k, weights, k_start, k_end, q_scale, k_scale):
     return g(op.where(valid, scores, g.const(NEG_INF))), start, end
 
 
-def lightning_indexer(g: Graph, q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+def lightning_indexer(
+    g: Graph,
+    q,
+    k,
+    weights,
+    k_start,
+    k_end,
+    topk,
+    q_scale=None,
+    k_scale=None,
+    block_table=None,
+    need_scores=True,
+):
     """indices ``[T, topk]`` int32 (best first, ties to the lower slot), scores
-    ``[T, topk]`` fp32; ``-1`` / ``-inf`` past the valid keys."""
+    ``[T, topk]`` fp32 (``[0]`` without ``need_scores``); ``-1`` / ``-inf`` past the
+    valid keys; a paged pool read through ``block_table`` (logical positions)."""
     reject_fp8("lightning_indexer", g, [q, k])
     op = g.op
-    scores, start, end = _scores(g, q, k, weights, k_start, k_end, q_scale, k_scale)
+    scores, start, end = _scores(g, q, k, weights, k_start, k_end, q_scale, k_scale, block_table)
     # An overflowed score ranks first (docs/ops.md): TVM's topk puts NaN last, so a NaN
     # (from +inf and -inf terms) becomes +inf, which a result check then refuses.
     scores = g(op.where(op.isnan(scores), g.const(float("inf")), scores))
@@ -84,6 +118,8 @@ def lightning_indexer(g: Graph, q, k, weights, k_start, k_end, topk, q_scale=Non
     rank = g(op.expand_dims(op.arange(0, topk, 1, "int64"), 0))
     keep = g(op.less(rank, op.expand_dims(op.subtract(end, start), 1)))
     indices = g(op.where(keep, slots, g.const(-1, "int32")))
+    if not need_scores:
+        return indices, g(op.zeros([0], "float32"))
     return indices, g(op.where(keep, best, g.const(NEG_INF)))
 
 
@@ -108,12 +144,14 @@ def _softmax_with_lse(g: Graph, s: Any) -> tuple[Any, Any]:
     return p, g(op.add(m, op.log(total)))
 
 
-def sparse_attention(g: Graph, q, k, v, indices, scale, need_lse=True):
+def sparse_attention(g: Graph, q, k, v, indices, scale, need_lse=True, k_rope=None):
     """out ``[T, H, Dv]`` in q's dtype, lse ``[T, H]`` fp32 (``[0]`` without
     ``need_lse``); slots outside ``[0, N)`` are ignored, an empty row gives 0 /
-    ``-inf``."""
+    ``-inf``. A ``k_rope`` joins ``k`` as its last columns."""
     reject_fp8("sparse_attention", g, [q, k, v])
     op = g.op
+    if k_rope is not None:
+        k = g(op.concat([k, k_rope], axis=2))
     t, h, dk = g.shape(q)
     n, hkv = g.shape(k)[:2]
     dv = g.shape(v)[2]

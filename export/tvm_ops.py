@@ -79,13 +79,24 @@ def _shapes(op: str, args: tuple, d: _Dims) -> list:
     """Symbolic shapes of ``op``'s tensor arguments in schema order (None for an absent
     optional): sizes the op ties together share a variable."""
     if op in ("lightning_indexer", "indexer_logits"):
-        q_scale, k_scale = args[-2:]
+        q_scale, k_scale = args[6:8] if op == "lightning_indexer" else args[5:7]
+        table = args[8] if op == "lightning_indexer" else None
+        keys, key_scale = ([d.N, d.Di], [d.N]) if table is None else (
+            [d.blocks, d.block_size, d.Di], [d.blocks, d.block_size]
+        )  # fmt: skip
         return [
-            [d.T, d.Hi, d.Di], [d.N, d.Di], [d.T, d.Hi], [d.T], [d.T],
-            None if q_scale is None else [d.T, d.Hi], None if k_scale is None else [d.N],
+            [d.T, d.Hi, d.Di], keys, [d.T, d.Hi], [d.T], [d.T],
+            None if q_scale is None else [d.T, d.Hi], None if k_scale is None else key_scale,
+            *([] if op == "indexer_logits" else [None if table is None else [d.T, d.M]]),
         ]  # fmt: skip
     if op == "sparse_attention":
-        return [[d.T, d.H, d.Dk], [d.N, d.Hkv, d.Dk], [d.N, d.Hkv, d.Dv], [d.T, d.K]]
+        if args[6] is None:
+            return [[d.T, d.H, d.Dk], [d.N, d.Hkv, d.Dk], [d.N, d.Hkv, d.Dv], [d.T, d.K], None]
+        # A rope key apart: k holds the first Dk - Dr columns (Dn), k_rope the last Dr.
+        return [
+            [d.T, d.H, d.Dn + d.Dr], [d.N, d.Hkv, d.Dn], [d.N, d.Hkv, d.Dv], [d.T, d.K],
+            [d.N, d.Hkv, d.Dr],
+        ]  # fmt: skip
     if op == "moe_gate":
         return [[d.T, d.E], None if args[1] is None else [d.E]]
     if op == "moe_dispatch":

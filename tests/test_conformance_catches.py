@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import glmport
+from glmport.conformance.paging import in_packed_form
 from glmport.conformance.runner import run_check, suite_checks
 from glmport.core.formats import FLOAT_WEIGHT, FP8_DTYPE, SCHEMES
 from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest
@@ -19,24 +20,25 @@ def _ref(op):
     return REGISTRY.kernels("cpu", False)[op]
 
 
-def _ignores_minus_one(q, k, v, indices, scale, need_lse=True):
+def _ignores_minus_one(q, k, v, indices, scale, need_lse=True, k_rope=None):
     # -1 read as Python's "last slot" instead of "no slot".
     n = k.shape[0]
     idx = torch.where(indices < 0, n - 1, indices)
-    return _ref("sparse_attention")(q, k, v, idx, scale, need_lse)
+    return _ref("sparse_attention")(q, k, v, idx, scale, need_lse, k_rope)
 
 
-def _causal_off_by_one(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+@in_packed_form  # a paged call: its packed equivalent
+def _causal_off_by_one(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None, *_):
     end = (k_end + 1).clamp_max(k.shape[0]).to(k_end.dtype)
     return _ref("lightning_indexer")(q, k, weights, k_start, end, topk, q_scale, k_scale)
 
 
-def _wrong_scale(q, k, v, indices, scale, need_lse=True):
-    return _ref("sparse_attention")(q, k, v, indices, v.shape[-1] ** -0.5, need_lse)
+def _wrong_scale(q, k, v, indices, scale, need_lse=True, k_rope=None):
+    return _ref("sparse_attention")(q, k, v, indices, v.shape[-1] ** -0.5, need_lse, k_rope)
 
 
-def _lse_log2(q, k, v, indices, scale, need_lse=True):
-    out, lse = _ref("sparse_attention")(q, k, v, indices, scale, need_lse)
+def _lse_log2(q, k, v, indices, scale, need_lse=True, k_rope=None):
+    out, lse = _ref("sparse_attention")(q, k, v, indices, scale, need_lse, k_rope)
     return out, lse / torch.log(torch.tensor(2.0))
 
 
@@ -93,7 +95,7 @@ def _misread_stack(scales):
     return torch.stack([_column_major(s) for s in scales])
 
 
-def _gqa_head_modulo(q, k, v, indices, scale, need_lse=True):
+def _gqa_head_modulo(q, k, v, indices, scale, need_lse=True, k_rope=None):
     # Query head h reads kv head h % Hkv instead of h // (H / Hkv): permute the heads so
     # the reference's grouping does exactly that.
     h, hkv = q.shape[1], k.shape[1]
@@ -101,13 +103,15 @@ def _gqa_head_modulo(q, k, v, indices, scale, need_lse=True):
     pos = (heads % hkv) * (h // hkv) + heads // hkv
     permuted = torch.empty_like(q)
     permuted[:, pos] = q
-    out, lse = _ref("sparse_attention")(permuted, k, v, indices, scale, need_lse)
+    out, lse = _ref("sparse_attention")(permuted, k, v, indices, scale, need_lse, k_rope)
     return out[:, pos], lse[:, pos] if need_lse else lse
 
 
-def _attention_bf16_accumulation(q, k, v, indices, scale, need_lse=True):
+def _attention_bf16_accumulation(q, k, v, indices, scale, need_lse=True, k_rope=None):
     # Scores and softmax in fp32, but the softmax sum and the weighted sum of values run
     # slot by slot in a low-precision accumulator (the input dtype).
+    if k_rope is not None:
+        k = torch.cat((k, k_rope), dim=-1)
     acc = q.dtype
     t, h, dk = q.shape
     hkv = k.shape[1]
@@ -144,7 +148,8 @@ def _gate_groups_always_sum_two(logits, bias, top_k, n_group=1, topk_group=1, *r
     return _ref("moe_gate")(logits, bias, top_k, n_group, topk_group, *rest)
 
 
-def _indexer_drops_last_key(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+@in_packed_form  # a paged call: its packed equivalent
+def _indexer_drops_last_key(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None, *_):
     end = torch.maximum(k_end - 1, k_start).to(k_end.dtype)
     return _ref("lightning_indexer")(q, k, weights, k_start, end, topk, q_scale, k_scale)
 

@@ -11,6 +11,7 @@ import torch
 
 import glmport
 from glmport.conformance.mutants import LIBRARY
+from glmport.conformance.paging import in_packed_form
 from glmport.conformance.runner import run_check, suite_checks
 from glmport.core.formats import FP8_DTYPE
 from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest
@@ -28,11 +29,12 @@ def _uint16(ids: torch.Tensor) -> torch.Tensor:
     return torch.where(ids >= 0, ids % UINT16, ids).to(ids.dtype)
 
 
-def _attention_uint16_ids(q, k, v, indices, scale, need_lse=True):
+def _attention_uint16_ids(q, k, v, indices, scale, need_lse=True, k_rope=None):
     return _ref("sparse_attention")(q, k, v, _uint16(indices), scale, need_lse)
 
 
-def _indexer_uint16_ids(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+@in_packed_form  # a paged call: its packed equivalent
+def _indexer_uint16_ids(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None, *_):
     idx, scores = _ref("lightning_indexer")(q, k, weights, k_start, k_end, topk, q_scale, k_scale)
     return _uint16(idx), scores
 
@@ -57,15 +59,16 @@ def _gate_always_renormalises(logits, bias, top_k, n_group, topk_group, scaling,
     return _ref("moe_gate")(logits, bias, top_k, n_group, topk_group, scaling, True, func)
 
 
-def _attention_dense_slot_mask(q, k, v, indices, scale, need_lse=True):
+def _attention_dense_slot_mask(q, k, v, indices, scale, need_lse=True, k_rope=None):
     """A slot listed twice in a row counts once (a mask over slots, not a list)."""
     idx = indices.long()
     earlier = (idx[:, :, None] == idx[:, None, :]).tril(diagonal=-1).any(dim=2)
     idx = torch.where(earlier, -1, indices)
-    return _ref("sparse_attention")(q, k, v, idx, scale, need_lse)
+    return _ref("sparse_attention")(q, k, v, idx, scale, need_lse, k_rope)
 
 
-def _indexer_higher_slot_ties(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+@in_packed_form  # a paged call: its packed equivalent
+def _indexer_higher_slot_ties(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None, *_):
     """The reference on the keys in reverse order, ids mapped back: among exactly tied
     scores the higher slot wins and comes first."""
     n = k.shape[0]
@@ -168,10 +171,10 @@ def _quantize_multiplies_first(x, fmt, group_size=128):
     return q, s
 
 
-def _attention_softmax_without_max(q, k, v, indices, scale, need_lse=True):
+def _attention_softmax_without_max(q, k, v, indices, scale, need_lse=True, k_rope=None):
     """The mutant library's softmax that exponentiates the scores unshifted."""
     mutated = LIBRARY["sparse_attention.softmax_without_max"].wrap(_ref("sparse_attention"))
-    return mutated(q, k, v, indices, scale, need_lse)
+    return mutated(q, k, v, indices, scale, need_lse, k_rope)
 
 
 # bug: (op, kernel, the family whose cases must fail it, a case name among the failures,

@@ -19,8 +19,10 @@ def _kernel(backend, key):
     return REGISTRY.kernels(backend, False)[key]
 
 
-def _wrong_scale(q, k, v, indices, scale, need_lse=True):
-    return _kernel("cpu", "sparse_attention")(q, k, v, indices, v.shape[-1] ** -0.5, need_lse)
+def _wrong_scale(q, k, v, indices, scale, need_lse=True, k_rope=None):
+    return _kernel("cpu", "sparse_attention")(
+        q, k, v, indices, v.shape[-1] ** -0.5, need_lse, k_rope
+    )
 
 
 def _combine_without_weights(y_sorted, src_row, weights):

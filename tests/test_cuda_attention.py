@@ -162,7 +162,7 @@ def test_public_entry_point_takes_decode_path(attn, monkeypatch):
     seen = []
 
     def split(*args, **kwargs):
-        seen.append(args[-1])
+        seen.append(args[5])  # split_len
         return real(*args, **kwargs)
 
     real = attn.sparse_attention_split

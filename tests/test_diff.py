@@ -21,6 +21,7 @@ import torch
 import glmport
 from glmport.cli import main
 from glmport.conformance.diff import diff_backends, format_report, row_overlap
+from glmport.conformance.paging import in_packed_form
 from glmport.conformance.replay import REPLAY_FORMAT, fingerprint, replay_call
 from glmport.core.registry import REGISTRY, Availability, Backend, BackendManifest
 from glmport.model import GlmMoeDsaForCausalLM
@@ -46,11 +47,13 @@ def _rotates_backwards(x, cos, sin, interleaved):  # rope: the sign of the sine
     return _ref("rope")(x, cos, -sin, interleaved)
 
 
-def _double_scale(q, k, v, indices, scale, need_lse=True):  # the softmax scale applied twice
-    return _ref("sparse_attention")(q, k, v, indices, 2 * scale, need_lse)
+def _double_scale(q, k, v, indices, scale, need_lse=True, k_rope=None):
+    # the softmax scale applied twice
+    return _ref("sparse_attention")(q, k, v, indices, 2 * scale, need_lse, k_rope)
 
 
-def _lowest_keys(q, k, weights, k_start, k_end, topk, q_scale, k_scale):
+@in_packed_form  # a paged call: its packed equivalent
+def _lowest_keys(q, k, weights, k_start, k_end, topk, q_scale, k_scale, *_):
     # lightning_indexer: negated head weights negate the scores: the lowest-scoring keys
     return _ref("lightning_indexer")(q, k, -weights, k_start, k_end, topk, q_scale, k_scale)
 

@@ -60,6 +60,7 @@ def test_glmports_own_takes_are_not_in_fast_mode(op, capfd):
             torch.zeros(t, k, dtype=torch.int32),
             0.5,
             True,
+            None,
         ),
         "moe_dispatch": (torch.randn(t, 8), torch.zeros(t, k, dtype=torch.int32), 4),
         "moe_combine": (

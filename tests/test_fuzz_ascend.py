@@ -100,6 +100,7 @@ def _finish(d: Draw, op: str, args: dict, dtype: torch.dtype, tied: dict | None 
     stays as built). ``tied`` maps an argument to the one it is a view of (absorbed
     ``v = k[..., :512]``): it follows that one's layout."""
     spec = SPECS[op]
+    args = dict(zip(spec.arg_names, spec.complete((), args), strict=True))  # defaults too
     tied = tied or {}
     for name in spec.arg_names:
         t = args[name]

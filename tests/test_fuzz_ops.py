@@ -54,6 +54,7 @@ from hypothesis import strategies as st
 
 import glmport
 from glmport.conformance.judges import JUDGE_OF_OP, JUDGES, Verdict
+from glmport.conformance.paging import logits_args
 from glmport.core.errors import GlmportError, OpInputError
 from glmport.core.formats import FLOAT_WEIGHT, FORMATS, FP8_DTYPE, SCHEMES, quantize_tensor
 from glmport.core.registry import REGISTRY
@@ -194,7 +195,7 @@ def _finish(op: str, d: Draw, args: dict, dtype: torch.dtype, bads: dict[str, Ba
         arg, mutate, also = bads[d.label]
         args[arg] = mutate(args, d)
         bad = (arg, *also)
-    ordered = tuple(args[name] for name in SPECS[op].arg_names)
+    ordered = SPECS[op].complete((), args)  # arguments no builder draws: their defaults
     return Call(op, d.label, ordered, dtype, bad)
 
 
@@ -750,8 +751,7 @@ def _reference(call: Call):
     kernels = REGISTRY.kernels("cpu", False)
     with REGISTRY.get("cpu").float64():
         if call.op == "lightning_indexer":
-            q, k, w, ks, ke, _, qs, kss = call.args
-            return kernels["indexer_logits"](q, k, w, ks, ke, qs, kss)
+            return kernels["indexer_logits"](*logits_args(call.args))
         return kernels[call.op](*call.args)
 
 

@@ -72,27 +72,42 @@ def _has_fp8(args: tuple) -> bool:
 
 
 def _sparse_attention(
-    dtype: torch.dtype, hkv: int, dv: int, need_lse: bool = True
+    dtype: torch.dtype, hkv: int, dv: int, need_lse: bool = True, rope: int = 0
 ) -> Callable[[], tuple]:
+    """``rope`` > 0: the key's last ``rope`` columns stored apart (``k_rope``)."""
+
     def build() -> tuple:
-        k = _rand(N, hkv, D, dtype=dtype, seed=2)
+        k = _rand(N, hkv, D - rope, dtype=dtype, seed=2)
         v = k[..., :dv] if dv < D else _rand(N, hkv, dv, dtype=dtype, seed=3)
+        k_rope = _rand(N, hkv, rope, dtype=dtype, seed=4) if rope else None
         indices = torch.tensor([[0, 1, -1], [2, 3, 4], [5, 5, -1]])
-        return _rand(T, 4, D, dtype=dtype, seed=1), k, v, indices, 0.3, need_lse
+        return _rand(T, 4, D, dtype=dtype, seed=1), k, v, indices, 0.3, need_lse, k_rope
 
     return build
 
 
-def _indexer(dtype: torch.dtype, topk: int | None) -> Callable[[], tuple]:
+def _indexer(
+    dtype: torch.dtype, topk: int | None, paged: bool = False, need_scores: bool = True
+) -> Callable[[], tuple]:
+    """``paged``: the keys as 3 blocks of 2 (each query's table names them in its
+    own order), ranges from 0."""
+
     def build() -> tuple:
         q = _rand(T, 2, D, seed=1).to(dtype)
         k = _rand(N, D, seed=2).to(dtype)
         fp8 = dtype == FP8_DTYPE
         q_scale = torch.rand(T, 2, generator=torch.Generator().manual_seed(4)) + 0.5
         k_scale = torch.rand(N, generator=torch.Generator().manual_seed(5)) + 0.5
-        head = (q, k, _rand(T, 2, seed=3), _i32(0, 1, 2), _i32(4, 6, 3))
+        start, table = _i32(0, 1, 2), None
+        if paged:
+            k, k_scale = k.view(3, 2, D), k_scale.view(3, 2)
+            start = _i32(0, 0, 0)
+            table = torch.tensor([[2, 0, 1], [1, 2, 0], [0, 1, 2]], dtype=torch.int32)
+        head = (q, k, _rand(T, 2, seed=3), start, _i32(4, 6, 3))
         scales = (q_scale, k_scale) if fp8 else (None, None)
-        return (*head, topk, *scales) if topk is not None else (*head, *scales)
+        if topk is None:
+            return (*head, *scales)
+        return (*head, topk, *scales, table, need_scores)
 
     return build
 
@@ -137,7 +152,17 @@ SAMPLES: list[Sample] = [
         "sparse_attention",
         _sparse_attention(torch.float32, 2, D, False),
     ),
+    Sample(
+        "sparse_attention-fp32-split_rope",
+        "sparse_attention",
+        _sparse_attention(torch.float32, 1, D - 2, rope=2),
+    ),
     Sample("lightning_indexer-fp32", "lightning_indexer", _indexer(torch.float32, 2)),
+    Sample(
+        "lightning_indexer-fp32-paged-no_scores",
+        "lightning_indexer",
+        _indexer(torch.float32, 2, paged=True, need_scores=False),
+    ),
     Sample("lightning_indexer-bf16", "lightning_indexer", _indexer(BF16, 2)),
     Sample("lightning_indexer-fp8", "lightning_indexer", _indexer(FP8_DTYPE, 2)),
     Sample("indexer_logits-fp32", "indexer_logits", _indexer(torch.float32, None)),
@@ -301,7 +326,7 @@ def test_fake_kernel_rejects_bad_shape(op: str) -> None:
 
 def test_fake_kernel_skips_value_checks() -> None:
     """Fake tensors have no data: an out-of-range index is only caught on real ones."""
-    q, k, v, indices, scale, _ = _first("sparse_attention").args()
+    q, k, v, indices, scale = _first("sparse_attention").args()[:5]
     indices = indices.clone()
     indices[0, 0] = N
     with pytest.raises(glmport.OpInputError):
@@ -313,7 +338,7 @@ def test_fake_kernel_skips_value_checks() -> None:
 
 
 def test_torch_compile_fullgraph_matches_eager() -> None:
-    q, k, v, indices, _, _ = _sparse_attention(torch.float32, 2, D)()
+    q, k, v, indices = _sparse_attention(torch.float32, 2, D)()[:4]
     weight = _rand(D, seed=7)
 
     def block(q, k, v, indices, weight):

@@ -71,8 +71,13 @@ class AscendBackend(Backend):
         # adapter's docstring and docs/ascend.md); calls beyond them run on the generic
         # backend on the same device, logged once per op.
         capabilities={
+            # Paged keys (PA_BSND): pages of a multiple of 16 up to 1024 slots.
             "lightning_indexer": Capability(
-                dtype=_HALF, q_heads=range(1, 65), head_dim=128, topk=range(1, 8193)
+                dtype=_HALF,
+                q_heads=range(1, 65),
+                head_dim=128,
+                topk=range(1, 8193),
+                block_size=range(16, 1025, 16),
             ),
             # indexer_logits reads every key of a range back as a selected value, so a
             # range must fit the largest sparse_count.

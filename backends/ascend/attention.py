@@ -33,6 +33,7 @@ def sparse_attention(
     indices: torch.Tensor,
     scale: float,
     need_lse: bool = True,
+    k_rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA sparse attention through ``npu.npu_sparse_flash_attention``.
 
@@ -47,18 +48,32 @@ def sparse_attention(
     ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_sparse_flash_attention.md``; CANN ops-transformer
     ``attention/sparse_flash_attention`` (https://gitcode.com/cann/ops-transformer).
 
+    Or, with the rope key stored apart (``k [N, 1, 512]`` with ``v`` = ``k``, ``k_rope
+    [N, 1, 64]``: the paged cache's layout), the same over the cache in place.
+
     How glmport's conventions map onto the op:
 
-    - Layout: one batch holds all ``N`` slots, ``layout_query = layout_kv = "TND"`` with
-      cumulative lengths ``[T]`` / ``[S2]``, so glmport's global slot ids are the
-      batch-relative block ids the op takes (``sparse_block_size=1``: one token per id).
-      ``sparse_mode=0`` ("only the sparse selection, no extra causal mask"): causality
-      is already in the indices, while mode 3's rightDownCausal crop would restrict row
-      ``i`` to slots ``<= S2 - T + i``, which glmport's arbitrary (e.g. paged) slots do
-      not obey.
+    - Layout, split cache in inference: ``layout_kv="PA_BSND"`` over the cache itself.
+      ``k`` and ``k_rope`` are viewed as ``[N / bs, bs, 1, D]`` pages (``bs`` the
+      largest power of two from 1024 down to 16 that divides ``N``) and one batch's
+      ``block_table`` is ``0, 1, 2, ...``: its position ``p`` is slot ``p``, so
+      glmport's physical slot ids are the positions the op takes. Nothing is copied or
+      read back.
+    - Otherwise (``need_lse``: the page documents no ``return_softmax_lse`` with
+      PA_BSND; a pool no such ``bs`` divides; a joint cache): one batch holds all ``N``
+      slots, ``layout_query = layout_kv = "TND"`` with cumulative lengths ``[T]`` /
+      ``[S2]``, so glmport's global slot ids are the batch-relative block ids the op
+      takes (``sparse_block_size=1``: one token per id). The split cache goes in as it
+      is; the op takes no non-contiguous key, so a joint ``k [N, 1, 576]`` has
+      ``k[..., :512]`` and ``k[..., 512:]`` copied on every call.
+    - Either way ``sparse_mode=0`` ("only the sparse selection, no extra causal mask"):
+      causality is already in the indices, while mode 3's rightDownCausal crop would
+      restrict row ``i`` to slots ``<= S2 - T + i``, which glmport's arbitrary (e.g.
+      paged) slots do not obey.
     - The op reads only a row's first ``min(K, S2)`` entries, so the kv sequence is
-      zero-padded to ``S2 = max(N, K)`` rows (never selected): with ``N < K`` and
-      repeated slots a row can hold more than ``N`` valid entries.
+      ``S2 = max(N, K)`` long (rows past ``N``, never selected: zero padding in TND,
+      block 0 again in the page table): with ``N < K`` and repeated slots a row can
+      hold more than ``N`` valid entries.
     - Indices: entries outside ``[0, N)`` become ``-1`` (glmport's rule, also what
       ``GLMPORT_VALIDATE=meta`` needs: nothing out of bounds reaches the op), then each
       row is sorted descending, which puts the ``-1`` padding last as the op requires
@@ -99,9 +114,17 @@ def sparse_attention(
         log_fallback_once(
             "ascend", "sparse_attention", "generic", "cannot take a v that is not k[..., :512] in"
         )
-        return generic_sparse_attention(q, k, v, indices, scale, need_lse)
+        return generic_sparse_attention(q, k, v, indices, scale, need_lse, k_rope)
     s2 = max(n, kk)
-    key = _padded(k[..., :LATENT], s2)
+    page = None if k_rope is None or need_lse else _page_size(k, k_rope)
+    if page is not None:
+        key, key_rope = k.view(n // page, page, 1, LATENT), k_rope.view(n // page, page, 1, -1)
+        # Slot p is position p; positions past N (only when K > N) name block 0 again.
+        table = (torch.arange(-(-s2 // page), device=q.device) % (n // page)).to(torch.int32)
+        table, layout = table[None, :], "PA_BSND"
+    else:
+        nope, rope = (k[..., :LATENT], k[..., LATENT:]) if k_rope is None else (k, k_rope)
+        key, key_rope, table, layout = _padded(nope, s2), _padded(rope, s2), None, "TND"
     slots = torch.where(valid, indices, -1).to(torch.int32)
     slots = torch.sort(slots, dim=1, descending=True).values.reshape(t, 1, kk).contiguous()
     out, softmax_max, softmax_sum = npu.npu_sparse_flash_attention(
@@ -110,14 +133,15 @@ def sparse_attention(
         key,
         slots,
         float(scale),
-        block_table=None,
+        block_table=table,
         actual_seq_lengths_query=torch.tensor([t], dtype=torch.int32, device=q.device),
+        # One batch: its length, which is also the TND prefix sum.
         actual_seq_lengths_kv=torch.tensor([s2], dtype=torch.int32, device=q.device),
         query_rope=q[..., LATENT:].contiguous(),
-        key_rope=_padded(k[..., LATENT:], s2),
+        key_rope=key_rope,
         sparse_block_size=1,
         layout_query="TND",
-        layout_kv="TND",
+        layout_kv=layout,
         sparse_mode=0,
         pre_tokens=INT64_MAX,
         next_tokens=INT64_MAX,
@@ -141,6 +165,18 @@ def _is_latent_view(k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def _page_size(k: torch.Tensor, k_rope: torch.Tensor) -> int | None:
+    """The largest page the op takes (a power of two, 1024 down to 16) that splits the
+    ``N`` rows of contiguous ``k`` / ``k_rope`` into whole pages; None if none does."""
+    if not (k.is_contiguous() and k_rope.is_contiguous()):
+        return None
+    n = k.shape[0]
+    return next((p for p in (1024, 512, 256, 128, 64, 32, 16) if n % p == 0), None)
+
+
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x [N, 1, D]`` as a contiguous ``[rows, 1, D]`` copy, zero rows appended."""
+    """``x [N, 1, D]`` as a contiguous ``[rows, 1, D]``: ``x`` itself when it already is
+    one, else a copy with zero rows appended."""
+    if x.shape[0] == rows and x.is_contiguous():
+        return x
     return F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0])).contiguous()

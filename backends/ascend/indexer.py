@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from glmport.backends.cpu.indexer import clamp_key_ranges
+from glmport.core.specs.indexer import scores_as_asked
 
 from .profile import GLOBAL, INDEXER_HEADS, NEWEST_PAGES, NpuProfile
 
@@ -226,11 +227,14 @@ def lightning_indexer(
     topk: int,
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    need_scores: bool = True,
     *,
     profile: NpuProfile = NEWEST_PAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """glmport's ``lightning_indexer`` on ``npu.npu_lightning_indexer`` (TND layouts,
-    one batch per run of queries, see the module docstring).
+    one batch per run of queries, see the module docstring; a paged call:
+    :func:`paged_lightning_indexer`).
 
     Args:
         npu: ``torch_npu`` or the emulator.
@@ -240,6 +244,7 @@ def lightning_indexer(
         k_start, k_end: ``[T]`` int32 key ranges (clamped to ``[0, N]``).
         topk: ``1 .. 8192``.
         q_scale, k_scale: None (fp8 is not declared).
+        block_table, need_scores: as the op's contract (``docs/ops.md``).
         profile: the build's conventions (default: the newest pages, batch-relative
             indices); the backend passes the one measured at start-up.
 
@@ -251,17 +256,106 @@ def lightning_indexer(
     Docs: ``torch_npu-npu_lightning_indexer.md`` (Ascend/op-plugin,
     ``docs/zh/custom_APIs/torch_npu/``); ``aclnnLightningIndexer.md`` (cann/ops-transformer).
     """
+    if block_table is not None:
+        return paged_lightning_indexer(
+            npu, q, k, weights, k_end, topk, block_table, need_scores, profile=profile
+        )
     t, n = q.shape[0], k.shape[0]
     indices = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((t, topk), float("-inf"), dtype=torch.float32, device=q.device)
     if t == 0 or n == 0:
-        return indices, scores  # the op takes no empty tensor
+        return indices, scores_as_asked(scores, need_scores)  # the op takes no empty tensor
     for rows, slots, values in _selections(npu, q, k, weights, k_start, k_end, topk, profile):
         slots, values = _best_first(slots, values)
         width = min(topk, slots.shape[1])  # a sparse_count above topk is trimmed
         indices[rows, :width] = slots[:, :width].to(torch.int32)
         scores[rows, :width] = values[:, :width]
-    return indices, scores
+    return indices, scores_as_asked(scores, need_scores)
+
+
+def paged_lightning_indexer(
+    npu: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    k_end: torch.Tensor,
+    topk: int,
+    block_table: torch.Tensor,
+    need_scores: bool,
+    *,
+    profile: NpuProfile = NEWEST_PAGES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged call: one op call with ``layout_key="PA_BSND"`` over the cache itself.
+
+    Each query is its own batch (TND query lengths ``1, 2, .., T``; its key length
+    ``k_end[t]``; its row of ``block_table``), and ``sparse_mode=3`` with one query lets
+    it see all of its ``k_end[t]`` keys, from position 0 as the contract requires. So
+    nothing is copied and nothing is read back: the lengths and the table go to the op
+    as they are. ``k [blocks, block_size, 128]`` is passed as a ``[blocks, block_size,
+    1, 128]`` view (``block_size`` a multiple of 16 up to 1024, declared).
+
+    The op documents ``return_value`` for unpaged keys only, so it returns positions
+    alone. When the caller needs scores, or the op had to be asked for more than
+    ``topk`` (a ``sparse_count`` step), the chosen keys are scored here in fp32 from a
+    gather of their rows (``[T, C, 128]``, the selection's size, not the cache's) and
+    sorted best first; else a row is returned in ascending position order.
+    """
+    t, size = q.shape[0], k.shape[1]
+    length = block_table.shape[1] * size
+    width = min(topk, length)
+    indices = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
+    scores = torch.full((t, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    if t == 0 or width == 0:
+        return indices, scores_as_asked(scores, need_scores)
+    sparse_count = sparse_count_for(width)
+    q_op, w_op = q, weights
+    if q.dtype == torch.float16:  # an fp16 score past 65504 would be inf: scale (exact)
+        w_op = _fp16_weights(q, k.reshape(-1, k.shape[-1]), weights)[0]
+    if not profile.indexer_any_heads:
+        q_op, w_op = _padded_heads(q_op, w_op)
+    chosen, _ = npu.npu_lightning_indexer(
+        q_op.contiguous(),
+        k.contiguous().unsqueeze(2),  # the op takes no non-contiguous key (a cache is not)
+        w_op.contiguous(),
+        actual_seq_lengths_query=torch.arange(1, t + 1, dtype=torch.int32, device=q.device),
+        actual_seq_lengths_key=k_end.contiguous(),
+        block_table=block_table.contiguous(),
+        layout_query="TND",
+        layout_key="PA_BSND",
+        sparse_count=sparse_count,
+        sparse_mode=3,
+        return_value=False,
+    )
+    chosen = chosen.reshape(t, sparse_count).long()
+    if need_scores or sparse_count > topk:
+        values = _chosen_scores(q, k, weights, chosen, block_table)
+        chosen, values = _best_first(chosen, values)
+        scores[:, :width] = values[:, :width]
+    else:  # ascending positions, -1 last
+        last = torch.iinfo(torch.int64).max
+        chosen = torch.sort(torch.where(chosen < 0, last, chosen), dim=1).values
+        chosen = torch.where(chosen == last, -1, chosen)
+    indices[:, :width] = chosen[:, :width].to(torch.int32)
+    return indices, scores_as_asked(scores, need_scores)
+
+
+def _chosen_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    chosen: torch.Tensor,
+    block_table: torch.Tensor,
+) -> torch.Tensor:
+    """fp32 scores ``[T, C]`` of the logical positions ``chosen [T, C]`` (``-1``: none,
+    scored ``-inf``) of a paged ``k [blocks, block_size, Di]``."""
+    size = k.shape[1]
+    safe = chosen.clamp_min(0)  # a -1 reads block_table[t, 0], which may name no block
+    blocks = block_table.long().gather(1, safe // size).clamp(0, k.shape[0] - 1)
+    slots = blocks * size + safe % size
+    rows = k.reshape(-1, k.shape[-1])[slots].float()  # [T, C, Di]: the chosen rows only
+    dots = torch.einsum("thd,tcd->thc", q.float(), rows).relu()
+    values = torch.einsum("th,thc->tc", weights, dots)
+    return torch.where(chosen >= 0, values, float("-inf"))
 
 
 def indexer_logits(

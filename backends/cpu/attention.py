@@ -9,7 +9,9 @@ from glmport.core.specs.attention import lse_as_asked
 from .precision import acc_dtype, out_dtype
 
 
-def sparse_attention(q, k, v, indices, scale, need_lse=True):
+def sparse_attention(q, k, v, indices, scale, need_lse=True, k_rope=None):
+    if k_rope is not None:  # the reference joins the key: clarity over memory
+        k = torch.cat((k, k_rope), dim=-1)
     out, lse = _attention(q, k, v, indices, scale)
     return out, lse_as_asked(lse, need_lse)
 

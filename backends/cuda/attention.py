@@ -31,8 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from glmport.core.selection import log_fallback_once
 from glmport.core.specs.attention import lse_as_asked
 
+from ..generic.attention import sparse_attention as generic_sparse_attention
 from .runtime import dot_dtype, interpreter_plan, next_pow2, rounded_to, sm_count, to_dot, tuned
 
 _LOG2E = 1.4426950408889634
@@ -66,6 +68,7 @@ def _attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    r_ptr,
     idx_ptr,
     out_ptr,
     lse_ptr,
@@ -90,6 +93,9 @@ def _attention_kernel(
     stride_vn,
     stride_vh,
     stride_vd,
+    stride_rn,
+    stride_rh,
+    stride_rd,
     stride_it,
     stride_ik,
     HEAD_BLOCKS: tl.constexpr,
@@ -109,8 +115,9 @@ def _attention_kernel(
 
     ``SHARED_V``: ``v`` is ``k[..., :DV]`` (absorbed MLA): each tile of latent rows is
     gathered once, ``[BLOCK_K, DV]`` for the scores and the values alike, and the
-    ``BLOCK_R``-wide tail ``[DV, DK)`` for the scores only; else keys ``BLOCK_D``
-    columns at a time and values separately.
+    ``BLOCK_R``-wide tail (the key's columns ``[DV, DK)``, read from ``r_ptr``: a view
+    of ``k`` or a rope key stored apart) for the scores only; else keys ``BLOCK_D``
+    columns at a time and values separately (``r_ptr`` unused).
 
     ``PARTIAL``: write the unnormalised split (max and sum in base 2 ``[T, H, S]``,
     accumulator ``[T, H, S, DV]``, float32) for the combine; otherwise ``out [T, H, DV]``
@@ -131,13 +138,14 @@ def _attention_kernel(
     q_rows = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh
     k_head = k_ptr + c * stride_kh
     v_head = v_ptr + c * stride_vh
+    r_head = r_ptr + c * stride_rh
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    if SHARED_V:  # the rope tail [DV, DK) of q and k
-        offs_r = DV + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < DK
+    if SHARED_V:  # the rope tail: q's columns [DV, DK), r's [0, DK - DV)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < DK - DV
 
     k_lo = split * SPLIT_LEN
     k_hi = tl.minimum(k_lo + SPLIT_LEN, K)
@@ -157,7 +165,7 @@ def _attention_kernel(
                 other=0.0,
             )
             kr = tl.load(
-                k_head + slot[:, None] * stride_kn + offs_r[None, :] * stride_kd,
+                r_head + slot[:, None] * stride_rn + offs_r[None, :] * stride_rd,
                 mask=valid[:, None] & r_ok[None, :],
                 other=0.0,
             )
@@ -167,7 +175,7 @@ def _attention_kernel(
                 other=0.0,
             )
             qr = tl.load(
-                q_rows + offs_r[None, :] * stride_qd,
+                q_rows + (DV + offs_r)[None, :] * stride_qd,
                 mask=head_ok[:, None] & r_ok[None, :],
                 other=0.0,
             )
@@ -363,10 +371,11 @@ def sparse_attention_split(
     indices: torch.Tensor,
     scale: float,
     split_len: int,
+    k_rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sparse_attention` with ``split_len`` slots of each index row per program:
     ``split_len >= K`` is the prefill path, a shorter one the decode path (partials and a
-    combine). Shapes and dtypes as there."""
+    combine). Shapes and dtypes as there; a ``k_rope`` only on the latent path."""
     t, h, dk = q.shape
     n, hkv = k.shape[0], k.shape[1]
     dv = v.shape[2]
@@ -378,6 +387,8 @@ def sparse_attention_split(
     lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     g = h // hkv
     shared = latent_path(q, k, v)
+    # The tail the latent path scores: the rope key apart, or k's columns past Dv (a view).
+    tail = k_rope if k_rope is not None else k[..., dv:] if shared else k
     block_h = head_block(q, k, v)
     head_blocks = triton.cdiv(g, block_h)
     split_len = max(1, min(split_len, kk))
@@ -393,6 +404,7 @@ def sparse_attention_split(
         q,
         k,
         v,
+        tail,
         indices,
         out,
         lse,
@@ -411,6 +423,7 @@ def sparse_attention_split(
         *q.stride(),
         *k.stride(),
         *v.stride(),
+        *tail.stride(),
         *indices.stride(),
         HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h,
@@ -447,6 +460,7 @@ def sparse_attention(
     indices: torch.Tensor,
     scale: float,
     need_lse: bool = True,
+    k_rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query over its selected key slots.
 
@@ -458,14 +472,25 @@ def sparse_attention(
         scale: softmax scale.
         need_lse: whether to return ``lse`` (the kernels write it either way: a
             ``[T, H]`` float32 store is negligible beside the gathers).
+        k_rope: ``[N, Hkv, Dk - Dv]`` or None: the rope key stored apart, read in place
+            by the latent path (``v`` is ``k``); anywhere else the generic composite
+            runs it (logged), which gathers only the selected rows.
 
     Returns:
         ``out [T, H, Dv]`` in q's dtype (0 for a row with no valid slot) and
         ``lse [T, H]`` float32, natural log (``-inf`` for such a row); ``[0]`` without
         ``need_lse``.
     """
+    if k_rope is not None and not (latent_path(q, k, v) and v.shape[2] == k.shape[2]):
+        log_fallback_once(
+            "cuda",
+            "sparse_attention",
+            "generic",
+            "reads a rope key apart only on the latent path in",
+        )
+        return generic_sparse_attention(q, k, v, indices, scale, need_lse, k_rope)
     g = q.shape[1] // max(k.shape[1], 1)
     head_blocks = math.ceil(g / head_block(q, k, v)) if g else 0
     split_len = plan_split_len(q.shape[0], k.shape[1], head_blocks, indices.shape[1], q.device)
-    out, lse = sparse_attention_split(q, k, v, indices, scale, split_len)
+    out, lse = sparse_attention_split(q, k, v, indices, scale, split_len, k_rope)
     return out, lse_as_asked(lse, need_lse)

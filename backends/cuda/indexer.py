@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from glmport.core.formats import FP8_DTYPE
+from glmport.core.specs.indexer import scores_as_asked
 
 from .quant import native_fp8
 from .runtime import dot_dtype, interpreter_plan, next_pow2, sm_count, to_dot, tuned
@@ -120,8 +121,9 @@ def _weighted_relu_dots(
     FMA_CHUNK: tl.constexpr,
 ):
     """``w[None, :] * relu(k[offs_n] @ q.T * ks[offs_n, None])``: ``[BLOCK_N, M]`` fp32
-    for ``q`` ``[M, BLOCK_D]`` (dot dtype), ``w`` ``[M]`` fp32; keys outside ``n_valid``
-    read as 0 and are never touched in memory. Keys are the dot's rows: at least 64 of
+    for ``q`` ``[M, BLOCK_D]`` (dot dtype), ``w`` ``[M]`` fp32, ``offs_n`` the rows of
+    ``k`` to read (a paged call's physical rows); keys outside ``n_valid`` read as 0 and
+    are never touched in memory. Keys are the dot's rows: at least 64 of
     them make it a wgmma / tcgen05 tile (e4m3 included) whatever the head count.
 
     ``FMA_CHUNK`` > 0 (fp32: IEEE dots on the FMA units): the dot runs over ``Di`` in
@@ -322,6 +324,7 @@ def _lightning_kernel(
     idx_ptr,
     score_ptr,
     part_ptr,
+    bt_ptr,
     N,
     Hi,
     Di,
@@ -339,6 +342,8 @@ def _lightning_kernel(
     sst,
     ssh,
     sks,
+    sbt,
+    PAGE,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     LOG_TILE: tl.constexpr,
@@ -346,13 +351,18 @@ def _lightning_kernel(
     DOT: tl.constexpr,
     FMA_CHUNK: tl.constexpr,
     PARTIAL: tl.constexpr,
+    PAGED: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid ``(T, NUM_SPLITS)``: query ``t``'s keys ``[start + s * SPLIT_LEN, ...)`` of its
     range, split ``s``. One split: its best ``WIDTH = min(topk, N)`` slots, best first,
     into columns ``[0, WIDTH)`` of the ``[T, OUT_COLS]`` outputs (-1 / -inf padding).
     ``PARTIAL``: the split's best ``TILE`` sort keys, descending, into
-    ``part [T, NUM_SPLITS, TILE]`` int64 for :func:`_merge_kernel`."""
+    ``part [T, NUM_SPLITS, TILE]`` int64 for :func:`_merge_kernel`.
+
+    ``PAGED``: slots are logical positions of query ``t``'s sequence, position ``p`` in
+    row ``bt[t, p // PAGE] * PAGE + p % PAGE`` of the key pool (``N`` the table's
+    positions); else ``bt_ptr``, ``sbt`` and ``PAGE`` are unused."""
     TILE: tl.constexpr = 1 << LOG_TILE
     CHUNK: tl.constexpr = BLOCK_N if BLOCK_N < TILE else TILE  # keys per dot
     t = tl.program_id(0).to(tl.int64)
@@ -386,8 +396,12 @@ def _lightning_kernel(
             if c0 < end:  # the range's last tile is partly past its end
                 offs_n = c0 + tl.arange(0, CHUNK)
                 valid = offs_n < end
+                rows = offs_n
+                if PAGED:  # each position's block, from the query's table row
+                    block = tl.load(bt_ptr + t * sbt + offs_n // PAGE, mask=valid, other=0)
+                    rows = block.to(tl.int64) * PAGE + offs_n % PAGE
                 heads = _weighted_relu_dots(
-                    q, q_rows, h_mask, w, k_ptr, ks_ptr, offs_n, valid, offs_d, d_mask, Di,
+                    q, q_rows, h_mask, w, k_ptr, ks_ptr, rows, valid, offs_d, d_mask, Di,
                     sqd, skn, skd, sks, FP8, FMA_CHUNK,
                 )  # fmt: skip
                 keys = _sort_keys(tl.sum(heads, axis=1), offs_n, valid)
@@ -521,16 +535,34 @@ def lightning_indexer(
     topk: int,
     q_scale: torch.Tensor | None,
     k_scale: torch.Tensor | None,
+    block_table: torch.Tensor | None = None,
+    need_scores: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``topk`` best key slots per query token.
 
-    Args: as :func:`indexer_logits`, and ``topk >= 1``.
+    Args: as :func:`indexer_logits`, and ``topk >= 1``; with ``block_table [T, M]``
+    int32 the keys are a paged pool ``k [blocks, block_size, Di]`` (``k_scale [blocks,
+    block_size]``) read in place through each query's table row, slots and ranges
+    logical positions (the op's paged call).
 
     Returns: indices ``[T, topk]`` int32, best first, ties to the lower slot, ``-1``
-    past the valid keys; scores ``[T, topk]`` fp32, ``-inf`` where the index is ``-1``.
+    past the valid keys; scores ``[T, topk]`` fp32, ``-inf`` where the index is ``-1``
+    (``[0]`` without ``need_scores``: the kernels keep them to sort either way).
     """
+    paged = (block_table.contiguous(), k.shape[1]) if block_table is not None else None
+    if paged is not None:  # the pool's rows (a view of a contiguous pool)
+        k = k.flatten(0, 1)
+        k_scale = None if k_scale is None else k_scale.flatten()
+    indices, scores = _indexer(q, k, weights, k_start, k_end, topk, q_scale, k_scale, paged)
+    return indices, scores_as_asked(scores, need_scores)
+
+
+def _indexer(q, k, weights, k_start, k_end, topk, q_scale, k_scale, paged):
+    """:func:`lightning_indexer` over key rows ``k [rows, Di]``: packed keys, or a
+    paged pool's rows with ``paged = (block_table [T, M] int32, block_size)``."""
     t, hi, di = q.shape
-    n = k.shape[0]
+    table, page = paged if paged is not None else (k_start, 0)  # a stand-in pointer
+    n = k.shape[0] if paged is None else table.shape[1] * page
     # At most N slots are ever valid: the buffer holds min(topk, N), the rest is padding.
     width = min(topk, n)
     indices = torch.empty((t, topk), dtype=torch.int32, device=q.device)
@@ -546,9 +578,9 @@ def lightning_indexer(
             q, k, weights, k_start, k_end, q_scale, k_scale, _TOPK_FMA_CHUNK
         )
         _lightning_kernel[(t, 1)](
-            q, k, weights, starts, ends, qs, ks, indices, scores, indices,
-            n, hi, di, width, topk, n, 1, *strides, *meta[:2], log_tile(width, n), *meta[2:],
-            False,
+            q, k, weights, starts, ends, qs, ks, indices, scores, indices, table,
+            n, hi, di, width, topk, n, 1, *strides, table.stride(0), page,
+            *meta[:2], log_tile(width, n), *meta[2:], False, paged is not None,
         )  # fmt: skip
         return indices, scores
     splits = triton.cdiv(n, split_len)
@@ -564,9 +596,9 @@ def lightning_indexer(
             (starts.shape[0], splits, 1 << log_split), dtype=torch.int64, device=q.device
         )
         _lightning_kernel[(starts.shape[0], splits)](
-            q[c], k, weights[c], starts, ends, qs, ks, indices, scores, part,
-            n, hi, di, width, topk, split_len, splits, *strides, *meta[:2], log_split, *meta[2:],
-            True,
+            q[c], k, weights[c], starts, ends, qs, ks, indices, scores, part, table[c],
+            n, hi, di, width, topk, split_len, splits, *strides, table.stride(0), page,
+            *meta[:2], log_split, *meta[2:], True, paged is not None,
         )  # fmt: skip
         _merge(part, indices[c], scores[c], width, topk, log_tile(width, n))
     return indices, scores

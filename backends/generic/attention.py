@@ -60,6 +60,12 @@ def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.view(*slots.shape, x.shape[1], x.shape[2]).float().permute(0, 2, 1, 3)
 
 
+def _joined(k: torch.Tensor, k_rope: torch.Tensor | None) -> torch.Tensor:
+    """Key rows ``[..., Dk]``: ``k`` itself, or ``k`` and ``k_rope`` side by side (rows
+    already selected or windowed: never the whole cache)."""
+    return k if k_rope is None else torch.cat((k, k_rope), dim=-1)
+
+
 def _softmax_(
     s: torch.Tensor, every_row_valid: bool, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +123,9 @@ class _Chunk:
     ``slots [Tc, K]``, ``kg [Tc, Hkv, K, Dk]``, ``vg [Tc, Hkv, K, Dv]``); ``s`` holds
     the scaled scores ``[Tc, Hkv, G, W or K]``, ``-inf`` where excluded."""
 
-    def __init__(self, q, k, v, indices, scale, t0, t1):
-        n, hkv, dk = k.shape
+    def __init__(self, q, k, v, indices, scale, t0, t1, k_rope=None):
+        n, hkv, dk = k.shape[0], k.shape[1], q.shape[2]
+        self.k_rope = k_rope
         idx = indices[t0:t1]
         # Slots outside [0, N) count as -1, like FlashMLA: unchecked under GLMPORT_VALIDATE=meta.
         valid = (idx >= 0) & (idx < n)
@@ -159,7 +166,8 @@ class _Chunk:
         # A slot listed twice weighs its exp twice (exact, as the gather's two copies);
         # adding log(2) to a score of large magnitude would round.
         self.weights = count if bool((count > 1).any()) else None
-        self.kw = k[lo:hi].float().permute(1, 0, 2)  # [Hkv, W, Dk], no copy in fp32
+        rope = None if self.k_rope is None else self.k_rope[lo:hi]
+        self.kw = _joined(k[lo:hi], rope).float().permute(1, 0, 2)  # [Hkv, W, Dk]
         self.vw = v[lo:hi].float().permute(1, 0, 2)
         # One GEMM per kv head over all of the chunk's queries.
         s = self.window_matmul(self.qg, self.kw.transpose(-1, -2)).mul_(scale)
@@ -168,6 +176,8 @@ class _Chunk:
     def _gathered(self, k, v, idx, valid, scale):
         self.slots = idx.long() if self.all_valid else torch.where(valid, idx, 0).long()
         self.kg = _gather(k, self.slots)  # [Tc, Hkv, K, Dk]
+        if self.k_rope is not None:
+            self.kg = _joined(self.kg, _gather(self.k_rope, self.slots))
         # Absorbed MLA's value is a prefix of the key: slice the gather instead of redoing it.
         self.vg = self.kg[..., : v.shape[-1]] if _v_is_k_prefix(k, v) else _gather(v, self.slots)
         s = matmul(self.qg, self.kg.transpose(-1, -2)).mul_(scale)
@@ -198,20 +208,20 @@ def chunk_rows(q, k, v, indices) -> int:
     """Queries per chunk: the gathered K and V plus scores and probabilities, in fp32
     (a dense window's scores, at most a few K wide, fit the same budget)."""
     kk = indices.shape[1]
-    hkv, dk, dv, h = k.shape[1], k.shape[2], v.shape[2], q.shape[1]
+    hkv, dk, dv, h = k.shape[1], q.shape[2], v.shape[2], q.shape[1]
     window = 2 * h * max(WINDOW_RATIO_PER_HEAD, *WINDOW_RATIO_SHARED)
     per_query = int(4 * kk * max(hkv * (dk + dv) + 2 * h, window))
     return rows_per_tile(per_query, q.shape[0])
 
 
-def sparse_attention(q, k, v, indices, scale, need_lse=True):
+def sparse_attention(q, k, v, indices, scale, need_lse=True, k_rope=None):
     t, h, _ = q.shape
     out = q.new_empty((t, h, v.shape[-1]))
     lse_out = torch.empty((t, h), dtype=torch.float32, device=q.device)
     step = chunk_rows(q, k, v, indices)
     for t0 in range(0, t, step):
         t1 = min(t, t0 + step)
-        c = _Chunk(q, k, v, indices, scale, t0, t1)
+        c = _Chunk(q, k, v, indices, scale, t0, t1, k_rope)
         p, lse = _softmax_(c.s, c.every_row_valid, c.weights)
         out[t0:t1] = c.pv(p).reshape(t1 - t0, h, v.shape[-1])
         lse_out[t0:t1] = lse.reshape(t1 - t0, h)
@@ -223,20 +233,20 @@ def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
     ``dS = P * (dP - rowsum(dO * O) + dlse)``, ``dq = scale * dS K``, and ``dk``, ``dv``
     scattered back onto the selected slots (added onto the window's rows for a dense
     chunk, where ``P`` already counts a slot listed twice twice)."""
-    q, k, v, indices, scale, need_lse = inputs
+    q, k, v, indices, scale, need_lse, k_rope = inputs
     g_out, g_lse = grads
     if not need_lse:  # no lse was returned: nothing flows back through it
         g_lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
     t, h, dk = q.shape
     hkv = k.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkf = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dkf = torch.zeros((*k.shape[:2], dk), dtype=torch.float32, device=k.device)
     dvf = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     step = chunk_rows(q, k, v, indices)
     for t0 in range(0, t, step):
         t1 = min(t, t0 + step)
         tc = t1 - t0
-        c = _Chunk(q, k, v, indices, scale, t0, t1)
+        c = _Chunk(q, k, v, indices, scale, t0, t1, k_rope)
         p, _ = _softmax_(c.s, c.every_row_valid, c.weights)
         go = g_out[t0:t1].float().view(tc, hkv, h // hkv, v.shape[-1])
         gl = g_lse[t0:t1].float().view(tc, hkv, h // hkv, 1)
@@ -264,4 +274,6 @@ def sparse_attention_backward(inputs: tuple, grads: tuple) -> tuple:
         dkf.index_add_(0, flat, dkg.permute(0, 2, 1, 3).reshape(flat.shape[0], hkv, dk))
         dvg = dvg.permute(0, 2, 1, 3).reshape(flat.shape[0], hkv, v.shape[-1])
         dvf.index_add_(0, flat, dvg)
-    return dq.to(q.dtype), dkf.to(k.dtype), dvf.to(v.dtype), None, None, None
+    dn = k.shape[2]  # the key's columns in k; the rest are k_rope's
+    g_rope = None if k_rope is None else dkf[..., dn:].to(k_rope.dtype)
+    return dq.to(q.dtype), dkf[..., :dn].to(k.dtype), dvf.to(v.dtype), None, None, None, g_rope

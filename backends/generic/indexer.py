@@ -8,6 +8,7 @@ import math
 import torch
 
 from glmport.backends.cpu.indexer import clamp_key_ranges
+from glmport.core.specs.indexer import paged_slots, scores_as_asked
 
 from .attention import matmul
 from .tiling import rows_per_tile
@@ -97,7 +98,52 @@ def _select(cand_v, cand_i, k, offset=0):
     return value, slot
 
 
-def lightning_indexer(q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None):
+def lightning_indexer(
+    q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None, block_table=None,
+    need_scores=True,
+):  # fmt: skip
+    if block_table is not None:
+        indices, scores = _paged(q, k, weights, k_end, topk, q_scale, k_scale, block_table)
+    else:
+        indices, scores = _packed(q, k, weights, k_start, k_end, topk, q_scale, k_scale)
+    return indices, scores_as_asked(scores, need_scores)
+
+
+def _paged(q, k, weights, k_end, topk, q_scale, k_scale, block_table):
+    """The paged call (``k_start`` is 0): per chunk of queries, each query's keys
+    gathered in logical order ``[Tc, L, Di]`` (a gather is 1 / Hi of the scoring's
+    work), scored, and the best ``topk`` logical positions kept."""
+    t, hi, di = q.shape
+    size = k.shape[1]
+    flat = k.reshape(-1, di)
+    flat_scale = None if k_scale is None else k_scale.reshape(-1)
+    length = block_table.shape[1] * size
+    k_end = k_end.clamp(0, length)
+    step = _query_step(t, hi, length + topk)
+    indices = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
+    scores = torch.full((t, topk), float("-inf"), device=q.device)
+    positions = torch.arange(length, device=q.device)
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        slots = paged_slots(block_table[t0:t1], size, k.shape[0])  # [Tc, L]
+        qf, kf = q[t0:t1].float(), flat[slots].float()
+        if q_scale is not None:
+            qf = qf * q_scale[t0:t1, :, None]
+            kf = kf * flat_scale[slots][..., None]
+        dots = torch.matmul(qf, kf.transpose(1, 2)).relu_()  # [Tc, Hi, L]
+        sc = matmul(weights[t0:t1, None, :], dots).squeeze(1)
+        sc.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=-math.inf)  # as _packed
+        sc.masked_fill_(positions[None, :] >= k_end[t0:t1, None], float("-inf"))
+        best_v, best_i = _select(sc, None, topk)
+        valid = best_v != float("-inf")
+        width = best_v.shape[1]
+        indices[t0:t1, :width] = torch.where(valid, best_i, -1).to(torch.int32)
+        scores[t0:t1, :width] = torch.where(valid, best_v, float("-inf"))
+    return indices, scores
+
+
+def _packed(q, k, weights, k_start, k_end, topk, q_scale, k_scale):
+    """The call over packed keys ``k [N, Di]`` with key ranges."""
     t, hi, _ = q.shape
     n = k.shape[0]
     qf, kf = _dequant(q, k, q_scale, k_scale)

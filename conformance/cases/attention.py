@@ -25,10 +25,13 @@ def attention_builder(
     index_dtype: str = "int32",
     sharpness: float = 1.0,
     need_lse: bool = True,
+    split_rope: bool = False,
 ) -> Callable[[torch.Generator, torch.dtype], tuple]:
     """``sparse_attention`` arguments; ``sharpness`` multiplies the softmax scale
     ``Dk ** -0.5`` (40: scores of +-100 and more, past float32's ``exp`` range);
-    ``need_lse=False`` is an inference call (``lse`` is ``[0]``)."""
+    ``need_lse=False`` is an inference call (``lse`` is ``[0]``); ``split_rope``
+    (absorbed): the key's columns past ``dv`` stored apart as ``k_rope``, ``k`` the
+    latent ``[N, Hkv, dv]`` and ``v`` a full-width view of it (a paged cache's pools)."""
 
     def build(gen, dtype):
         q = randn(gen, t, h, dk, dtype=dtype)
@@ -53,7 +56,11 @@ def attention_builder(
                 idx = torch.cat((idx, torch.full((t, k), -1, dtype=torch.int32)), dim=1)
             elif pattern == "wide":  # the ids at 2**16 and the last slot in every row
                 idx[:, :2] = torch.tensor([WIDE_ID, n - 1], dtype=torch.int32)
-        return q, kv, v, idx.to(getattr(torch, index_dtype)), sharpness * dk**-0.5, need_lse
+        idx, scale = idx.to(getattr(torch, index_dtype)), sharpness * dk**-0.5
+        if split_rope:
+            latent = kv[..., :dv].contiguous()
+            return q, latent, latent[..., :dv], idx, scale, need_lse, kv[..., dv:].contiguous()
+        return q, kv, v, idx, scale, need_lse
 
     return build
 
@@ -145,6 +152,20 @@ def attention_cases() -> Iterator[Case]:
         ("mla_topk_100", dict(t=2, h=8, n=300, k=100)),
         # An inference call: no lse asked for (ascend: return_softmax_lse=False).
         ("mla_no_lse", dict(t=3, h=16, n=40, k=16, pattern="ragged", need_lse=False)),
+        # The rope key stored apart (the paged cache's pools): in inference (ascend:
+        # PA_BSND over the pools), with lse (TND), a pool of no whole 16-slot page, ids
+        # past the pool (K > N), and GLM-5's decode.
+        (
+            "mla_split",
+            dict(t=3, h=16, n=64, k=16, pattern="ragged", split_rope=True, need_lse=False),
+        ),
+        ("mla_split_lse", dict(t=3, h=16, n=64, k=16, pattern="ragged", split_rope=True)),
+        ("mla_split_odd_pool", dict(t=2, h=8, n=40, k=12, split_rope=True, need_lse=False)),
+        (
+            "mla_split_n_lt_topk",
+            dict(t=2, h=8, n=16, k=16, pattern="padded", split_rope=True, need_lse=False),
+        ),
+        ("mla_split_decode", dict(t=2, h=64, n=4096, k=2048, split_rope=True, need_lse=False)),
     ):
         p = {**mla, **p}
         for dtype in FLOATS:

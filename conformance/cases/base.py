@@ -50,9 +50,13 @@ class Case:
         return f"{self.op}-{self.name}-{dtype}{extra}{laid}"
 
     def args(self) -> tuple:
-        """The op's arguments in schema order, CPU tensors (in the case's layout)."""
+        """The op's arguments in schema order, all of them (defaults filled in after
+        the builder's), CPU tensors (in the case's layout)."""
         gen = torch.Generator().manual_seed(self.seed)
-        return self.laid_out(self.build(gen))
+        args = self.build(gen)
+        if self.op in SPECS:  # an op, not a component such as expert_parallel
+            args = SPECS[self.op].complete(args, {})
+        return self.laid_out(args)
 
     def laid_out(self, args: tuple) -> tuple:
         """``args`` (on any device) with the case's layout made there: a non-dense view

@@ -17,7 +17,7 @@ from glmport.core.validate import Level
 from ..layouts import LAYOUTS, relayout
 from .attention import attention_builder
 from .base import Case, per_dtype, prefix_width
-from .indexer import indexer_builder
+from .indexer import indexer_builder, paged_indexer_builder
 
 # The calls whose tensor arguments the layout family re-lays out, one at a time: small
 # cases of every op (every scheme and format), inside every built-in backend's declared
@@ -51,6 +51,15 @@ def _layout_only_bases() -> Iterator[Case]:
     yield from per_dtype(
         "sparse_attention", "absorbed_small", "edge", absorbed, attention_builder(**absorbed)
     )
+    split = {**absorbed, "n": 32, "split_rope": True}  # the paged cache's pools
+    yield from per_dtype(
+        "sparse_attention", "split_small", "edge", split, attention_builder(**split)
+    )
+    paged = dict(hi=4, di=128, topk=8, block_size=16, blocks=6, queries=((20, 1), (40, 2)))
+    yield from per_dtype(
+        "lightning_indexer", "paged_d128", "edge", paged, paged_indexer_builder(**paged),
+        judge="indexer",
+    )  # fmt: skip
     index = dict(t=5, hi=4, di=128, n=40, topk=8, ranges="staggered")
     for op, logits in (("lightning_indexer", False), ("indexer_logits", True)):
         judge = "logits" if logits else "indexer"

@@ -1,6 +1,7 @@
 """sparse_attention mutants.
 
-(q [T, H, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv], indices [T, K] int32, scale, need_lse) ->
+(q [T, H, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv], indices [T, K] int32, scale, need_lse,
+k_rope [N, Hkv, Dr] or None (then k is [N, Hkv, Dk - Dr])) ->
 (out [T, H, Dv], lse [T, H] float32, or [0] without need_lse)
 
 Some reimplement the op in torch with the bug in it (an accumulation in the input
@@ -25,7 +26,7 @@ def _scale_from(fn: Callable[[torch.Tensor, torch.Tensor, float], float]):
     """The kernel called with the softmax scale ``fn(q, v, scale)``."""
 
     def edit(args: list) -> None:
-        q, _, v, _, scale, _ = args
+        q, v, scale = args[0], args[2], args[4]
         args[4] = fn(q, v, scale)
 
     return on_args(edit)
@@ -87,8 +88,8 @@ for _name, _kind, _breaks, _needs, _wrap in _SIMPLE:
     "edge: all_minus_one",
 )
 def _empty_row_nan(kernel):
-    def mutated(q, k, v, indices, scale, need_lse=True):
-        out, lse = kernel(q, k, v, indices, scale, need_lse)
+    def mutated(q, k, v, indices, scale, need_lse=True, k_rope=None):
+        out, lse = kernel(q, k, v, indices, scale, need_lse, k_rope)
         empty = ~((indices >= 0) & (indices < k.shape[0])).any(dim=1)
         return out.masked_fill(empty[:, None, None], float("nan")), lse
 
@@ -103,8 +104,8 @@ def _empty_row_nan(kernel):
     "tiny (separate k and v)",
 )
 def _v_from_k(kernel):
-    def mutated(q, k, v, indices, scale, need_lse=True):
-        return kernel(q, k, k[..., : v.shape[-1]], indices, scale, need_lse)
+    def mutated(q, k, v, indices, scale, need_lse=True, k_rope=None):
+        return kernel(q, k, k[..., : v.shape[-1]], indices, scale, need_lse, k_rope)
 
     return mutated
 
@@ -117,22 +118,24 @@ def _v_from_k(kernel):
     "edge: gqa_hkv4",
 )
 def _gqa_modulo(kernel):
-    def mutated(q, k, v, indices, scale, need_lse=True):
+    def mutated(q, k, v, indices, scale, need_lse=True, k_rope=None):
         # Permute the heads so that the kernel's grouping does exactly that.
         h, hkv = q.shape[1], k.shape[1]
         heads = torch.arange(h, device=q.device)
         pos = (heads % hkv) * (h // hkv) + heads // hkv
         permuted = torch.empty_like(q)
         permuted[:, pos] = q
-        out, lse = kernel(permuted, k, v, indices, scale, need_lse)
+        out, lse = kernel(permuted, k, v, indices, scale, need_lse, k_rope)
         return out[:, pos], lse[:, pos] if need_lse else lse
 
     return mutated
 
 
-def _scores(q, k, indices, scale):
+def _scores(q, k, indices, scale, k_rope=None):
     """float32 scores ``[T, H, K]`` (-inf at invalid slots) and the gathered slots
     ``[T, K]`` int64 (0 where invalid)."""
+    if k_rope is not None:
+        k = torch.cat((k, k_rope), dim=-1)
     t, h, dk = q.shape
     hkv = k.shape[1]
     valid = (indices >= 0) & (indices < k.shape[0])
@@ -150,11 +153,11 @@ def _scores(q, k, indices, scale):
     "glm5 (2048 slots in bfloat16)",
 )
 def _low_accumulation(kernel):
-    def mutated(q, k, v, indices, scale, need_lse=True):
+    def mutated(q, k, v, indices, scale, need_lse=True, k_rope=None):
         acc = q.dtype
         t, h, _ = q.shape
         group = h // k.shape[1]
-        s, slots = _scores(q, k, indices, scale)
+        s, slots = _scores(q, k, indices, scale, k_rope)
         peak = s.amax(dim=-1, keepdim=True)
         p = torch.exp(s - torch.where(torch.isfinite(peak), peak, 0.0))
         total = torch.zeros(t, h, dtype=acc, device=q.device)
@@ -178,9 +181,9 @@ def _low_accumulation(kernel):
     "sparse_attention with large scores",
 )
 def _no_max(kernel):
-    def mutated(q, k, v, indices, scale, need_lse=True):
+    def mutated(q, k, v, indices, scale, need_lse=True, k_rope=None):
         group = q.shape[1] // k.shape[1]
-        s, slots = _scores(q, k, indices, scale)
+        s, slots = _scores(q, k, indices, scale, k_rope)
         e = torch.exp(s)
         total = e.sum(dim=-1)
         vg = v.float()[slots].repeat_interleave(group, dim=2)  # [T, K, H, Dv]
@@ -199,11 +202,11 @@ def _no_max(kernel):
     DUPLICATE_SLOTS,
 )
 def _dedup(kernel):
-    def mutated(q, k, v, indices, scale, need_lse=True):
+    def mutated(q, k, v, indices, scale, need_lse=True, k_rope=None):
         ordered, order = indices.sort(dim=1, stable=True)
         again = torch.zeros_like(ordered, dtype=torch.bool)
         again[:, 1:] = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
         repeated = torch.zeros_like(again).scatter(1, order, again)
-        return kernel(q, k, v, indices.masked_fill(repeated, -1), scale, need_lse)
+        return kernel(q, k, v, indices.masked_fill(repeated, -1), scale, need_lse, k_rope)
 
     return mutated

@@ -17,6 +17,8 @@ import torch
 from glmport.core.registry import Kernel
 from glmport.core.specs import SPECS
 
+from ..paging import in_packed_form
+
 LN2 = math.log(2.0)
 
 # Case families a mutant may need beyond those the suite had (``needs``); a mutant
@@ -70,8 +72,13 @@ def add(
     wrap: Callable[[Kernel], Kernel],
     **only: tuple,
 ) -> Callable[[Kernel], Kernel]:
-    """Put the mutation ``wrap`` of ``op`` into :data:`LIBRARY` (ids are unique)."""
-    new = Mutant(op, name, kind, breaks, needs, wrap, tuple(only.items()))
+    """Put the mutation ``wrap`` of ``op`` into :data:`LIBRARY` (ids are unique). An
+    indexer mutation sees every call in the packed form (a paged one as its packed
+    equivalent, :mod:`glmport.conformance.paging`)."""
+    full = wrap
+    if op == "lightning_indexer":
+        full = lambda kernel: in_packed_form(wrap(kernel))  # noqa: E731
+    new = Mutant(op, name, kind, breaks, needs, full, tuple(only.items()))
     if new.id in LIBRARY:
         raise ValueError(f"mutant {new.id!r} is defined twice")
     LIBRARY[new.id] = new

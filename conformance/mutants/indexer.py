@@ -1,8 +1,10 @@
 """lightning_indexer and indexer_logits mutants.
 
 (q [T, Hi, Di], k [N, Di], weights [T, Hi], k_start [T], k_end [T], [topk,]
-q_scale [T, Hi] | None, k_scale [N] | None); the indexer returns (indices [T, topk]
-int32, scores [T, topk] float32), the logits op scores [T, N] float32.
+q_scale [T, Hi] | None, k_scale [N] | None[, block_table None, need_scores True]): the
+indexer's mutations see the packed form only (a paged call arrives as its packed
+equivalent); it returns (indices [T, topk] int32, scores [T, topk] float32), the logits
+op scores [T, N] float32.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _logits_no_relu(kernel):
     "tiny",
 )
 def _indexer_no_relu(kernel):
-    def mutated(q, k, weights, k_start, k_end, topk, q_scale, k_scale):
+    def mutated(q, k, weights, k_start, k_end, topk, q_scale, k_scale, *_packed):
         scores = _scores_without_relu(q, k, weights, k_start, k_end, q_scale, k_scale)
         return _top_k(scores, k_start, k_end, topk)
 
@@ -147,12 +149,14 @@ def _logits_zero_outside(kernel):
     EXACT_TIES,
 )
 def _high_ties(kernel):
-    def mutated(q, k, weights, k_start, k_end, topk, q_scale, k_scale):
+    def mutated(q, k, weights, k_start, k_end, topk, q_scale, k_scale, *_packed):
         # The kernel on the keys in reverse order: its lower slot is our higher one.
         n = k.shape[0]
         flipped_scale = None if k_scale is None else k_scale.flip(0)
         start, end = (n - k_end).to(k_start.dtype), (n - k_start).to(k_end.dtype)
-        idx, vals = kernel(q, flipped(k, 0), weights, start, end, topk, q_scale, flipped_scale)
+        idx, vals = kernel(
+            q, flipped(k, 0), weights, start, end, topk, q_scale, flipped_scale, *_packed
+        )
         return torch.where(idx >= 0, n - 1 - idx, idx).to(idx.dtype), vals
 
     return mutated

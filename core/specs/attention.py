@@ -8,12 +8,17 @@ from ..validate import FLOAT_DTYPES, INDEX_DTYPES, Checker, Level
 from .base import OpSpec, invoke
 
 
-def _check(c: Checker, q, k, v, indices, scale, need_lse=True, *, values):
+def _check(c: Checker, q, k, v, indices, scale, need_lse=True, k_rope=None, *, values):
     c.tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     t, h, dk = q.shape
     c.tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
     n, hkv = k.shape[0], k.shape[1]
-    c.tensor("k", k, shape=(("N", n), ("Hkv", hkv), ("Dk", dk)))
+    if k_rope is None:
+        c.tensor("k", k, shape=(("N", n), ("Hkv", hkv), ("Dk", dk)))
+    else:  # k_rope holds the key's columns past k's
+        rest = ("Dk - k's width", dk - k.shape[2])
+        c.tensor("k_rope", k_rope, shape=(("N", n), ("Hkv", hkv), rest), dtypes=FLOAT_DTYPES)
+        c.same_dtype(k=k, k_rope=k_rope)
     c.tensor("v", v, shape=(("N", n), ("Hkv", hkv), None), dtypes=FLOAT_DTYPES)
     c.same_dtype(q=q, k=k, v=v)
     if hkv < 1 or h % hkv != 0:
@@ -23,7 +28,7 @@ def _check(c: Checker, q, k, v, indices, scale, need_lse=True, *, values):
     c.positive_float("scale", scale)
     # Kernels scale scores by it times log2(e) (exp2 softmax): keep that finite too.
     c.within_range("scale", 2 * scale, "2 * scale")
-    c.same_device(q=q, k=k, v=v, indices=indices)
+    c.same_device(q=q, k=k, v=v, indices=indices, k_rope=k_rope)
     if not isinstance(need_lse, bool):
         c.fail("need_lse", "a bool", repr(need_lse))
     if values:
@@ -31,7 +36,10 @@ def _check(c: Checker, q, k, v, indices, scale, need_lse=True, *, values):
     if values >= Level.STRICT:  # max |k|, |v| read the whole cache: as long as a decode step
         # The softmax subtracts the max score: differences reach twice the largest |s|,
         # times log2(e) in an exp2 softmax; q . k is formed before a scale < 1 shrinks it.
-        scores = max(scale, 1.0) * c.magnitude(q) * c.magnitude(k) * dk
+        k_max = c.magnitude(k)
+        if k_rope is not None:  # bounds max|cat(k, k_rope)|, NaN included
+            k_max = k_max + c.magnitude(k_rope)
+        scores = max(scale, 1.0) * c.magnitude(q) * k_max * dk
         c.within_range(
             "scale", 3 * scores, "the score spread 3 * max(scale, 1) * max|q| * max|k| * Dk"
         )
@@ -39,7 +47,7 @@ def _check(c: Checker, q, k, v, indices, scale, need_lse=True, *, values):
         c.within_range("v", indices.shape[1] * c.magnitude(v), "K * max|v|")
 
 
-def _guarded_outputs(outs, q, k, v, indices, scale, need_lse=True):
+def _guarded_outputs(outs, q, k, v, indices, scale, need_lse=True, k_rope=None):
     """Overflowed scores show as NaN or inf in ``out`` and ``lse``, or as an ``lse`` of
     ``-inf`` on a row that has a valid slot (only an empty row's is ``-inf``)."""
     out, lse = outs
@@ -49,7 +57,7 @@ def _guarded_outputs(outs, q, k, v, indices, scale, need_lse=True):
     return [("out", out, 0), ("lse", lse, empty_rows.sum() * q.shape[1])]
 
 
-def _fake(q, k, v, indices, scale, need_lse=True):
+def _fake(q, k, v, indices, scale, need_lse=True, k_rope=None):
     t, h = q.shape[0], q.shape[1]
     return q.new_empty((t, h, v.shape[-1])), q.new_empty(
         lse_shape(t, h, need_lse), dtype=torch.float32
@@ -69,20 +77,21 @@ def lse_as_asked(lse: torch.Tensor, need_lse: bool) -> torch.Tensor:
 
 SPARSE_ATTENTION = OpSpec(
     name="sparse_attention",
-    schema="(Tensor q, Tensor k, Tensor v, Tensor indices, float scale, bool need_lse=True) "
-    "-> (Tensor out, Tensor lse)",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor indices, float scale, bool need_lse=True, "
+    "Tensor? k_rope=None) -> (Tensor out, Tensor lse)",
     check=_check,
     fake=_fake,
-    features=lambda q, k, v, indices, scale, need_lse=True: {
+    features=lambda q, k, v, indices, scale, need_lse=True, k_rope=None: {
         "dtype": q.dtype,
         "q_heads": q.shape[1],
         "kv_heads": k.shape[1],
         "head_dim": q.shape[2],
         "v_head_dim": v.shape[2],
         "topk": indices.shape[1],
+        "split_rope": k_rope is not None,
     },
-    feature_names=("dtype", "q_heads", "kv_heads", "head_dim", "v_head_dim", "topk"),
-    differentiable=("q", "k", "v"),
+    feature_names=("dtype", "q_heads", "kv_heads", "head_dim", "v_head_dim", "topk", "split_rope"),
+    differentiable=("q", "k", "v", "k_rope"),
     result_guard=_guarded_outputs,
 )
 
@@ -94,6 +103,7 @@ def sparse_attention(
     indices: torch.Tensor,
     scale: float,
     need_lse: bool = True,
+    k_rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query over its selected key slots only.
 
@@ -114,6 +124,11 @@ def sparse_attention(
             partial attentions). Inference passes False, so vendor kernels run in their
             inference mode (Ascend's ``npu_sparse_flash_attention`` documents
             ``return_softmax_lse`` for training only).
+        k_rope: ``[N, Hkv, Dr]`` or None: the key's last ``Dr`` columns kept apart, as
+            paged MLA caches store the rope key beside the latent (Ascend's
+            ``key`` / ``key_rope``): the key is then ``cat(k, k_rope, -1)``, ``k`` is
+            ``[N, Hkv, Dk - Dr]`` and ``v`` may be ``k`` itself. Nothing is
+            concatenated: each tensor is read where it lies.
 
     Returns:
         out: ``[T, H, Dv]`` in ``q``'s dtype; ``0`` for a row with no valid slot.
@@ -125,4 +140,4 @@ def sparse_attention(
     ``OpInputError`` naming ``scale``: before the kernel under
     ``GLMPORT_VALIDATE=strict``, from the overflow in the outputs under ``full``.
     """
-    return invoke(SPARSE_ATTENTION, q, k, v, indices, scale, need_lse)
+    return invoke(SPARSE_ATTENTION, q, k, v, indices, scale, need_lse, k_rope)
