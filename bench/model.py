@@ -65,7 +65,11 @@ MASK_ENTRIES = 1 << 24
 
 
 def _dense_attend_latent(
-    self: Attention, p, latent_cache: torch.Tensor, slots: torch.Tensor
+    self: Attention,
+    p,
+    latent_cache: torch.Tensor,
+    slots: torch.Tensor,
+    rope_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Attention.attend_latent`` as dense attention: query ``i`` attends the first
     ``count_i`` visible slots (slots ``[T, K]`` list each query's causal keys in order,
@@ -82,8 +86,12 @@ def _dense_attend_latent(
     first = int(keys[0])
     if int(keys[-1]) - first == n - 1:  # one run of physical slots: a view, no gather
         kv = latent_cache[first : first + n]
+        rope = None if rope_cache is None else rope_cache[first : first + n]
     else:
         kv = latent_cache.index_select(0, keys)
+        rope = None if rope_cache is None else rope_cache.index_select(0, keys)
+    if rope is not None:  # SDPA takes one key tensor: the cache's pools side by side
+        kv = torch.cat((kv, rope), dim=-1)
     w_uk, w_uv = self._kv_up()
     q = torch.cat((torch.einsum("thn,hnc->thc", p.q_nope, w_uk), p.q_pe), dim=-1)
     t, h = q.shape[0], q.shape[1]

@@ -72,10 +72,14 @@ class Indexer(nn.Module):
         k_start: torch.Tensor,
         k_end: torch.Tensor,
         widths: Widths,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[T, index_topk]`` int32 slot ids of ``keys [N, index_head_dim]`` (``-1``
         where fewer are visible), for queries ``h [T, hidden]`` with ranges ``k_start``
-        / ``k_end [T]`` int32, whose widths ``widths`` gives on the host.
+        / ``k_end [T]`` int32, whose widths ``widths`` gives on the host. With a
+        ``block_table [T, M]`` int32 the keys are a paged cache ``[blocks, block_size,
+        index_head_dim]`` and ids, ranges (``k_start`` 0) are logical positions of each
+        query's sequence (``lightning_indexer``'s paged call).
 
         A query that sees at most ``index_topk`` keys would have them all selected, so
         the indexer runs only for the queries that see more (none for short
@@ -91,24 +95,35 @@ class Indexer(nn.Module):
         if tape is not None and tape.replays(INDICES, self):
             indices = _replayed_slots(tape.replayed(INDICES, self), k_start, k_end)
         elif t and wide == t:
-            indices = self._run(h, q_res, cos, sin, keys, k_start, k_end)
+            indices = self._run(h, q_res, cos, sin, keys, k_start, k_end, block_table)
         else:
             indices = visible_slots(k_start, k_end, c.index_topk)
             if wide:  # the host knows how many: no sync to find them
                 mask = (k_end - k_start) > c.index_topk
                 rows = torch.nonzero_static(mask, size=wide).squeeze(1)
                 hw, qw, cw, sw, ks, ke = (x[rows] for x in (h, q_res, cos, sin, k_start, k_end))
-                indices[rows] = self._run(hw, qw, cw, sw, keys, ks, ke)
+                table = None if block_table is None else block_table[rows]
+                indices[rows] = self._run(hw, qw, cw, sw, keys, ks, ke, table)
         if tape is not None and tape.tracks(INDICES, self):
             tape.record(INDICES, self, torch.where(indices >= 0, indices - k_start[:, None], -1))
         return indices
 
-    def _run(self, h, q_res, cos, sin, keys, k_start, k_end) -> torch.Tensor:
-        """``lightning_indexer``'s ``[T, index_topk]`` int32 choice for these queries."""
+    def _run(self, h, q_res, cos, sin, keys, k_start, k_end, block_table=None) -> torch.Tensor:
+        """``lightning_indexer``'s ``[T, index_topk]`` int32 choice for these queries
+        (asked for no scores: what vendors' inference calls return)."""
         q, weights = self.queries(h, q_res, cos, sin)
         with torch.no_grad():  # a selection, not a differentiable quantity
             indices, _ = ops.lightning_indexer(
-                q.detach(), keys.detach(), weights.detach(), k_start, k_end, self.config.index_topk
+                q.detach(),
+                keys.detach(),
+                weights.detach(),
+                k_start,
+                k_end,
+                self.config.index_topk,
+                None,
+                None,
+                block_table,
+                False,
             )
         return indices
 
@@ -312,12 +327,18 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, -1)), q, k, lse
 
     def _absorbed(
-        self, p: MLAProjections, latent: torch.Tensor, slots: torch.Tensor, need_lse: bool
+        self,
+        p: MLAProjections,
+        latent: torch.Tensor,
+        slots: torch.Tensor,
+        need_lse: bool,
+        rope: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[T, H, kv_lora + rope]`` (``W_UK`` folded in) over the latent rows
         ``[N, kv_lora + rope]`` at ``slots [T, K]`` (``-1``: none), ``W_UV`` applied to
         the result: the output ``[T, hidden]``, those queries, lse ``[T, H]`` (``[0]``
-        unless ``need_lse``)."""
+        unless ``need_lse``). With ``rope [N, rope]`` the latent is ``[N, kv_lora]``
+        and the rope keys lie apart (a paged cache's pools, read in place)."""
         c = self.config
         w_uk, w_uv = self._kv_up()
         # Per-head GEMMs over the token axis: [H, T, nope] @ [H, nope, kv_lora].
@@ -325,13 +346,19 @@ class Attention(nn.Module):
         q = torch.cat((q_lat, p.q_pe), dim=-1)
         kv = latent[:, None, :]
         v = kv[..., : c.kv_lora_rank]
-        out_lat, lse = ops.sparse_attention(q, kv, v, slots, self.scale, need_lse)
+        k_rope = None if rope is None else rope[:, None, :]
+        out_lat, lse = ops.sparse_attention(q, kv, v, slots, self.scale, need_lse, k_rope)
         out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(out.shape[0], -1)), q, lse
 
     def attend_latent(
-        self, p: MLAProjections, latent_cache: torch.Tensor, slots: torch.Tensor
+        self,
+        p: MLAProjections,
+        latent_cache: torch.Tensor,
+        slots: torch.Tensor,
+        rope_cache: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Absorbed attention ``[T, hidden]``: queries over the latent cache
-        ``[N, kv_lora + rope]`` at physical ``slots [T, K]`` (``-1``: none)."""
-        return self._absorbed(p, latent_cache, slots, need_lse=False)[0]
+        ``[N, kv_lora + rope]`` at physical ``slots [T, K]`` (``-1``: none); or over
+        ``[N, kv_lora]`` with the rope keys ``rope_cache [N, rope]`` stored apart."""
+        return self._absorbed(p, latent_cache, slots, need_lse=False, rope=rope_cache)[0]

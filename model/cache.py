@@ -1,17 +1,22 @@
 """A paged KV cache for GLM-5 decoding and the cached forward step that uses it.
 
-Every cached layer keeps two pools of ``num_slots = num_blocks * block_size`` rows: the
-MLA latent ``[num_slots, kv_lora + rope]`` (normalised ``c_kv`` | rotated ``k_pe``, what
-absorbed attention reads) and the indexer keys ``[num_slots, index_head_dim]``, the
-latter only for layers that run their own indexer (IndexCache's shared layers attend
-their full layer's selection of the same step and store no indexer keys). Slots
-are handed out in blocks from a free list; a sequence's block table maps its logical
-positions to physical slots, which need not be contiguous or ordered.
+Every cached layer keeps pools of ``num_slots = num_blocks * block_size`` rows: the
+MLA latent ``[num_slots, kv_lora]`` (normalised ``c_kv``: absorbed attention's values
+and the first columns of its keys), the rotated rope key ``[num_slots, rope]`` beside
+it, and the indexer keys ``[num_slots, index_head_dim]``, the last only for layers
+that run their own indexer (IndexCache's shared layers attend their full layer's
+selection of the same step and store no indexer keys). The latent and the rope key are
+stored apart, as Ascend's and FlashMLA's caches keep them: each pool is contiguous, so
+a vendor kernel reads it in place (``sparse_attention``'s ``k_rope``). Slots are handed
+out in blocks from a free list; a sequence's block table maps its logical positions to
+physical slots, which need not be contiguous or ordered.
 
 A cached step (:func:`forward_cached`, :func:`mtp_forward_cached`) takes some new
 tokens for each of a batch of sequences (a whole prompt, one decoded token, or a run of
-draft tokens to verify), writes their latents and indexer keys into fresh slots, and
-attends over everything each sequence has cached. Rolling a sequence back
+draft tokens to verify), writes their latents and keys into fresh slots, and attends
+over everything each sequence has cached, reading every pool in place: the indexer
+through each token's block table (its paged call), the attention at physical slots.
+Nothing of the cache is gathered into a packed copy. Rolling a sequence back
 (speculative decoding) is :meth:`PagedKVCache.truncate`.
 """
 
@@ -45,10 +50,11 @@ class PagedKVCache:
 
     Args:
         num_layers: cached layers (the decoder layers, or one MTP layer).
-        latent_dim: ``kv_lora_rank + qk_rope_head_dim``.
+        latent_dim: ``kv_lora_rank``.
         index_dim: ``index_head_dim``.
         num_blocks: blocks in the pool; ``num_blocks * block_size`` slots per layer.
         block_size: slots per block.
+        rope_dim: ``qk_rope_head_dim`` (the ``rope[i]`` pools' width).
         indexed: per layer, whether it keeps indexer keys (``index_keys[i]`` is None
             where not); None: every layer.
     """
@@ -61,10 +67,12 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int = 16,
         *,
+        rope_dim: int = 0,
         indexed: Sequence[bool] | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
+        check_int("PagedKVCache: rope_dim", rope_dim, 0)
         for name, value in (
             ("num_layers", num_layers),
             ("latent_dim", latent_dim),
@@ -78,6 +86,9 @@ class PagedKVCache:
         slots = num_blocks * block_size
         self.latent = [
             torch.zeros(slots, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.rope = [
+            torch.zeros(slots, rope_dim, dtype=dtype, device=device) for _ in range(num_layers)
         ]
         indexed = [True] * num_layers if indexed is None else list(indexed)
         if len(indexed) != num_layers:
@@ -111,10 +122,11 @@ class PagedKVCache:
         full = set(config.full_indexer_layers)
         return cls(
             num_layers,
-            config.kv_lora_rank + config.qk_rope_head_dim,
+            config.kv_lora_rank,
             config.index_head_dim,
             num_blocks,
             block_size,
+            rope_dim=config.qk_rope_head_dim,
             indexed=[i in full for i in range(num_layers)],
             dtype=dtype,
             device=device,
@@ -155,15 +167,6 @@ class PagedKVCache:
         """Physical block ids of ``seq``, in logical order."""
         self._check(seq)
         return list(self._tables[seq])
-
-    def first_slot_if_contiguous(self, seq: int) -> int | None:
-        """The physical slot of ``seq``'s position 0 when its blocks are consecutive
-        (its slots are then one run), else None."""
-        table = self._tables[seq]
-        if not table or table[-1] - table[0] != len(table) - 1:
-            return None
-        consecutive = table == list(range(table[0], table[0] + len(table)))
-        return table[0] * self.block_size if consecutive else None
 
     def blocks_needed(self, seq: int, n: int) -> int:
         """New blocks that appending ``n`` tokens to ``seq`` would take."""
@@ -265,12 +268,11 @@ class StepPlan:
     the model's device; the ints are the host's, so running the step reads nothing
     back from the device.
 
-    ``new_slots [T]`` int64: physical slots written. The packed keys are every cached
-    token of every sequence (``num_keys``), sequence after sequence in logical order:
-    when their slots are one run of consecutive physical slots (a lone sequence in a
-    fresh cache) ``key_base`` is its first slot and the packed keys are a view of the
-    cache; else ``key_slots [num_keys]`` int64 lists the slots to gather. ``k_start /
-    k_end [T]`` int32: each query's causal range in that packed order, ``widths`` their
+    ``new_slots [T]`` int64: physical slots written. ``block_table [T, M]`` int32: each
+    new token's sequence's blocks in logical order (``M`` the longest table of the step,
+    shorter ones padded with block 0, never read), ``block_size`` their slots: the keys
+    a token reads are its sequence's logical positions ``[k_start, k_end)`` (``k_start
+    [T]`` int32 zeros, ``k_end [T]`` int32 its position plus one), ``widths`` their
     widths. ``last [B]`` int64: each sequence's last new token in ``T``. ``seq_ids`` /
     ``positions [T]`` int64: each new token's sequence id and position. ``cos / sin
     [T, qk_rope_head_dim / 2]`` fp32: the rotary tables at those positions.
@@ -279,9 +281,8 @@ class StepPlan:
     new_slots: torch.Tensor
     seq_ids: torch.Tensor
     positions: torch.Tensor
-    num_keys: int
-    key_base: int | None
-    key_slots: torch.Tensor | None
+    block_table: torch.Tensor
+    block_size: int
     k_start: torch.Tensor
     k_end: torch.Tensor
     widths: Widths
@@ -289,17 +290,17 @@ class StepPlan:
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def packed_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """``[num_keys, D]`` rows of a cache layer ``keys`` in packed order."""
-        if self.key_slots is None:
-            return keys[self.key_base : self.key_base + self.num_keys]
-        return keys[self.key_slots]
-
     def physical(self, picked: torch.Tensor) -> torch.Tensor:
-        """Packed positions ``picked [T, K]`` (``-1``: none) as physical slots."""
-        if self.key_slots is None:
-            return torch.where(picked >= 0, picked + self.key_base, -1)
-        return torch.where(picked >= 0, self.key_slots[picked.long().clamp_min(0)], -1)
+        """Logical positions ``picked [T, K]`` (``-1``: none) of each token's sequence
+        as physical slots ``[T, K]`` int64 (``-1`` kept)."""
+        p = picked.long().clamp_min(0)
+        block = self.block_table.long().gather(1, p // self.block_size)
+        return torch.where(picked >= 0, block * self.block_size + p % self.block_size, -1)
+
+    def paged(self, pool: torch.Tensor) -> torch.Tensor:
+        """A cache pool ``[num_slots, D]`` as its blocks ``[num_blocks, block_size, D]``
+        (a view: what the indexer's paged call reads)."""
+        return pool.view(-1, self.block_size, pool.shape[-1])
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -331,31 +332,21 @@ def plan_step(
     device = model.lm_head.weight.device
     starts = [cache.length(s) for s in seqs]
     new_slots = cache.append_batch(seqs, counts)
-    positions, seq_ids, k_start, k_end = [], [], [], []
-    offset = 0
-    key_base = cache.first_slot_if_contiguous(seqs[0])
-    for seq, start, n in zip(seqs, starts, counts, strict=True):
-        if key_base is not None and cache.first_slot_if_contiguous(seq) != key_base + offset:
-            key_base = None
-        pos = torch.arange(start, start + n)
-        positions.append(pos)
-        seq_ids.append(torch.full((n,), seq))
-        k_start.append(torch.full((n,), offset))
-        k_end.append(offset + pos + 1)
-        offset += start + n
-    positions = _to(torch.cat(positions), device)
+    tables = [cache.block_table(s) for s in seqs]
+    width = max(len(table) for table in tables)
+    padded = torch.tensor([table + [0] * (width - len(table)) for table in tables])
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+    positions = _to(pos, device)
     cos, sin = model.model.rope(positions)
     return StepPlan(
         new_slots=_to(torch.cat(new_slots), device),
-        seq_ids=_to(torch.cat(seq_ids), device),
+        seq_ids=_to(torch.tensor(list(seqs))[rows], device),
         positions=positions,
-        num_keys=offset,
-        key_base=key_base,
-        key_slots=None
-        if key_base is not None
-        else _to(torch.cat([cache.slots(s) for s in seqs]), device),
-        k_start=_to(torch.cat(k_start).to(torch.int32), device),
-        k_end=_to(torch.cat(k_end).to(torch.int32), device),
+        block_table=_to(padded[rows].to(torch.int32), device),
+        block_size=cache.block_size,
+        k_start=_to(torch.zeros(len(pos), dtype=torch.int32), device),
+        k_end=_to((pos + 1).to(torch.int32), device),
         widths=Widths(tuple((start + 1, n) for start, n in zip(starts, counts, strict=True))),
         last=_to(torch.tensor(counts).cumsum(0) - 1, device),
         cos=cos,
@@ -372,27 +363,36 @@ def _layer_step(
     shared: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``DecoderLayer.forward`` for new tokens ``x [T, hidden]`` over cache layer
-    ``index``: the new ``x`` and the ``[T, K]`` int32 packed key positions attended
+    ``index``: the new ``x`` and the ``[T, K]`` int32 logical key positions attended
     (``-1``: none). A layer without an indexer attends ``shared``, the previous
     layer's positions of this step."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     p = attn.project(h, plan.cos, plan.sin)
-    latent, keys = cache.latent[index], cache.index_keys[index]
-    latent[plan.new_slots] = p.latent.to(latent.dtype)
+    latent, rope, keys = cache.latent[index], cache.rope[index], cache.index_keys[index]
+    width = latent.shape[1]
+    latent[plan.new_slots] = p.latent[:, :width].to(latent.dtype)
+    rope[plan.new_slots] = p.latent[:, width:].to(rope.dtype)
     if attn.indexer is None:
         picked = shared
     else:
         if keys is None:
             raise ConfigError(f"PagedKVCache: layer {index} runs an indexer but keeps no keys")
         keys[plan.new_slots] = attn.indexer.keys(h, plan.cos, plan.sin).to(keys.dtype)
-        # The indexer sees each sequence's keys packed in logical order, so its ranges
-        # are contiguous and its ties break by position exactly as in the uncached forward.
-        packed = plan.packed_keys(keys)
+        # Logical positions of each token's sequence, read through its block table: the
+        # ties break by position exactly as in the uncached forward.
         picked = attn.indexer.select(
-            h, p.q_res, plan.cos, plan.sin, packed, plan.k_start, plan.k_end, plan.widths
+            h,
+            p.q_res,
+            plan.cos,
+            plan.sin,
+            plan.paged(keys),
+            plan.k_start,
+            plan.k_end,
+            plan.widths,
+            plan.block_table,
         )
-    x = x + attn.attend_latent(p, latent, plan.physical(picked))
+    x = x + attn.attend_latent(p, latent, plan.physical(picked), rope)
     return x + layer.mlp(layer.post_attention_layernorm(x)), picked
 
 

@@ -229,7 +229,8 @@ def test_cached_decode_equals_the_full_forward_and_keeps_no_shared_keys(model):
         full = model(ids[None]).logits[0]
     cache = PagedKVCache.for_config(model.config, 4, num_blocks=8, block_size=4)
     assert [k is None for k in cache.index_keys] == [False, True, True, False]
-    assert all(latent.shape == (32, 24) for latent in cache.latent)
+    assert all(latent.shape == (32, CONFIG.kv_lora_rank) for latent in cache.latent)
+    assert all(rope.shape == (32, CONFIG.qk_rope_head_dim) for rope in cache.rope)
     mtp_cache = PagedKVCache.for_config(model.config, 1, num_blocks=8, block_size=4)
     assert mtp_cache.index_keys[0].shape == (32, CONFIG.index_head_dim)
     seq = cache.add_sequence()
