@@ -193,6 +193,14 @@ def attention(b: Bench, s: Sizes) -> None:
                 torch.bfloat16,
                 flops=s.attention_flops(batch),
             )
+            b.compare(
+                "attention",
+                f"decode paged B={batch} N={n} H={s.heads} topk={s.topk} (split pools)",
+                "sparse_attention",
+                s.paged_decode_inputs(batch, n, b.device),
+                torch.bfloat16,
+                flops=s.attention_flops(batch),
+            )
     t, n = s.prefill_tokens, s.prefill_keys
     b.compare(
         "attention",
@@ -205,6 +213,18 @@ def attention(b: Bench, s: Sizes) -> None:
 
 
 def indexer(b: Bench, s: Sizes) -> None:
+    for batch in s.decode_batches:
+        for n in s.contexts:
+            args = s.paged_indexer_inputs(batch, n, b.device)
+            b.compare(
+                "indexer",
+                f"paged decode B={batch} N={n} Hi={s.index_heads} topk={s.topk} page={s.page}",
+                "lightning_indexer",
+                args,
+                torch.bfloat16,
+                flops=s.indexer_flops(args[4]),
+                view=common.index_scores,
+            )
     for t, n in s.index_queries:
         q, k, w, start, end = s.indexer_inputs(t, n, b.device)
         b.compare(

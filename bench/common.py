@@ -180,6 +180,7 @@ class Glm5Sizes:
     index_heads: int = 32
     index_dim: int = 128
     index_queries: tuple[tuple[int, int], ...] = ((128, 65536), (2048, 16384))
+    page: int = 128  # paged-cache block size (vllm-ascend's)
     experts: int = 256
     top_k: int = 8
     tokens: int = 4096
@@ -207,6 +208,31 @@ class Glm5Sizes:
         slots = torch.randint(0, n, (batch, self.topk), generator=gen, device=device)
         idx = (slots + torch.arange(batch, device=device)[:, None] * n).to(torch.int32)
         return q, kv, kv[..., : self.dv], idx, self.dk**-0.5
+
+    def paged_decode_inputs(self, batch: int, n: int, device) -> tuple:
+        """``sparse_attention``'s arguments for decode on the model's paged cache: the
+        pools kept apart (latent ``[batch n, 1, dv]`` as ``k`` and ``v``, rope key
+        ``[batch n, 1, dk - dv]`` as ``k_rope``), in inference (no lse); the same slots
+        as :meth:`decode_inputs`."""
+        q, kv, _, idx, scale = self.decode_inputs(batch, n, device)
+        latent = kv[..., : self.dv].contiguous()
+        return q, latent, latent[..., : self.dv], idx, scale, False, kv[..., self.dv :].contiguous()
+
+    def paged_indexer_inputs(self, batch: int, n: int, device) -> tuple:
+        """The lightning indexer's paged decode call: ``batch`` sequences of ``n``
+        cached keys in one pool of ``page``-slot blocks, their blocks interleaved
+        (sequence ``b``'s ``j``-th block is ``j * batch + b``), one query each over
+        all its keys; scores asked for (what the benchmark compares)."""
+        blocks = n // self.page
+        q = randn(batch, self.index_heads, self.index_dim, device=device, seed=6)
+        k = randn(batch * blocks, self.page, self.index_dim, device=device, seed=7)
+        w = randn(batch, self.index_heads, device=device, dtype=torch.float32, seed=8)
+        w = w * (self.index_heads * self.index_dim) ** -0.5
+        table = torch.arange(blocks, device=device)[None, :] * batch
+        table = (table + torch.arange(batch, device=device)[:, None]).to(torch.int32)
+        start = torch.zeros(batch, device=device, dtype=torch.int32)
+        end = torch.full((batch,), n, device=device, dtype=torch.int32)
+        return q, k, w, start, end, self.topk, None, None, table, True
 
     def prefill_inputs(self, device) -> tuple:
         """``sparse_attention``'s arguments for prefill: the last ``prefill_tokens`` of
@@ -294,6 +320,7 @@ SMOKE = {
     "prefill_keys": 256,
     "index_heads": 8,
     "index_queries": ((2, 512),),
+    "page": 16,
     "experts": 8,
     "top_k": 2,
     "tokens": 32,
