@@ -43,16 +43,8 @@ def _check_scores_inputs(
             )
         if s is not None:
             c.tensor(name, s, shape=shape, dtypes=(torch.float32,))
-    c.same_device(
-        q=q,
-        k=k,
-        weights=weights,
-        k_start=k_start,
-        k_end=k_end,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        block_table=block_table,
-    )
+    tensors = dict(q=q, k=k, weights=weights, k_start=k_start, k_end=k_end)
+    c.same_device(**tensors, q_scale=q_scale, k_scale=k_scale, block_table=block_table)
     if values:
         c.in_range("k_start", k_start, 0, n + 1)
         c.in_range("k_end", k_end, 0, n + 1)
@@ -136,20 +128,9 @@ def _indexer_features(
 
 
 def _check_indexer(
-    c: Checker,
-    q,
-    k,
-    weights,
-    k_start,
-    k_end,
-    topk,
-    q_scale,
-    k_scale,
-    block_table=None,
-    need_scores=True,
-    *,
-    values,
-):
+    c: Checker, q, k, weights, k_start, k_end, topk, q_scale, k_scale, block_table=None,
+    need_scores=True, *, values,
+):  # fmt: skip
     _check_scores_inputs(c, q, k, weights, k_start, k_end, q_scale, k_scale, values, block_table)
     c.int_in_range("topk", topk, 1)
     if not isinstance(need_scores, bool):
@@ -264,19 +245,8 @@ def lightning_indexer(
     ``+inf`` and ``-inf`` terms): it ranks first (ties to the lower slot) and keeps its
     slot, never ``-1``.
     """
-    return invoke(
-        LIGHTNING_INDEXER,
-        q,
-        k,
-        weights,
-        k_start,
-        k_end,
-        topk,
-        q_scale,
-        k_scale,
-        block_table,
-        need_scores,
-    )
+    args = (q, k, weights, k_start, k_end, topk, q_scale, k_scale, block_table, need_scores)
+    return invoke(LIGHTNING_INDEXER, *args)
 
 
 # -- indexer_logits ----------------------------------------------------------------
