@@ -122,3 +122,20 @@ def test_a_cached_step_reads_the_pools_only_through_the_ops(monkeypatch):
     with glmport.use_backend("generic"), _PoolReads(pools) as counter:
         forward_cached(model, cache, seqs, [[11], [12]])
     assert counter.reads == [], counter.reads
+
+
+def test_tables_of_consecutive_blocks_read_in_place_give_the_reference_choice():
+    """generic reads a lone sequence's run of blocks as packed keys (no gather): the
+    same choice and scores as the reference, empty ranges and unread entries included."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(4, 2, 8, generator=gen), torch.randn(8, 4, 8, generator=gen)
+    w = torch.randn(4, 2, generator=gen)
+    table = torch.tensor([[2, 3, 4], [2, 3, 99], [5, 6, 7], [-3, 0, 0]], dtype=torch.int32)
+    args = (q, k, w, torch.zeros(4, dtype=torch.int32), torch.tensor([11, 7, 12, 0]), 5)
+    args = (*args[:4], args[4].int(), 5, None, None, table, True)
+    with glmport.use_backend("cpu"):
+        want = glmport.ops.lightning_indexer(*args)
+    with glmport.use_backend("generic"):
+        got = glmport.ops.lightning_indexer(*args)
+    assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1])
+    assert (want[0][3] == -1).all() and (want[0][0] >= 0).all()

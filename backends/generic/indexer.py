@@ -102,11 +102,34 @@ def lightning_indexer(
     q, k, weights, k_start, k_end, topk, q_scale=None, k_scale=None, block_table=None,
     need_scores=True,
 ):  # fmt: skip
-    if block_table is not None:
+    runs = None if block_table is None else _block_runs(block_table, k_end, k.shape[1])
+    if runs is not None:  # every table one run of consecutive blocks: the packed call
+        size, di = k.shape[1], k.shape[2]
+        flat_scale = None if k_scale is None else k_scale.reshape(-1)
+        end = (runs + k_end.clamp(0, block_table.shape[1] * size)).to(k_end.dtype)
+        indices, scores = _packed(
+            q, k.reshape(-1, di), weights, runs.to(k_end.dtype), end, topk, q_scale, flat_scale
+        )
+        indices = torch.where(indices >= 0, indices - runs[:, None].to(indices.dtype), -1)
+    elif block_table is not None:
         indices, scores = _paged(q, k, weights, k_end, topk, q_scale, k_scale, block_table)
     else:
         indices, scores = _packed(q, k, weights, k_start, k_end, topk, q_scale, k_scale)
     return indices, scores_as_asked(scores, need_scores)
+
+
+def _block_runs(table: torch.Tensor, k_end: torch.Tensor, size: int) -> torch.Tensor | None:
+    """``[T]`` int64 first slots when every query's blocks that its range reads are
+    consecutive (a lone sequence in a fresh cache), so its keys are one run of the pool
+    and the packed path reads them in place; else None (one host read decides)."""
+    if table.shape[0] == 0 or not table.is_contiguous() or not k_end.is_contiguous():
+        return None
+    cols = torch.arange(table.shape[1], device=table.device)
+    read = cols[None, :] * size < k_end[:, None].long()
+    first = torch.where(read[:, :1], table[:, :1].long(), 0)  # an empty range reads no block
+    if not bool(((table.long() == first + cols[None, :]) | ~read).all()):
+        return None
+    return first[:, 0] * size
 
 
 def _paged(q, k, weights, k_end, topk, q_scale, k_scale, block_table):
