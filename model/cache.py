@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from glmport.core.errors import ConfigError, GlmportError, check_int
+from glmport.core.specs.indexer import slots_of_positions
 from glmport.core.validate import describe, holds
 
 from .config import GlmMoeDsaConfig
@@ -293,9 +294,7 @@ class StepPlan:
     def physical(self, picked: torch.Tensor) -> torch.Tensor:
         """Logical positions ``picked [T, K]`` (``-1``: none) of each token's sequence
         as physical slots ``[T, K]`` int64 (``-1`` kept)."""
-        p = picked.long().clamp_min(0)
-        block = self.block_table.long().gather(1, p // self.block_size)
-        return torch.where(picked >= 0, block * self.block_size + p % self.block_size, -1)
+        return slots_of_positions(picked, self.block_table, self.block_size)
 
     def paged(self, pool: torch.Tensor) -> torch.Tensor:
         """A cache pool ``[num_slots, D]`` as its blocks ``[num_blocks, block_size, D]``

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from glmport.backends.cpu.indexer import clamp_key_ranges
-from glmport.core.specs.indexer import scores_as_asked
+from glmport.core.specs.indexer import scores_as_asked, slots_of_positions
 
 from .profile import GLOBAL, INDEXER_HEADS, NEWEST_PAGES, NpuProfile
 
@@ -348,10 +348,7 @@ def _chosen_scores(
 ) -> torch.Tensor:
     """fp32 scores ``[T, C]`` of the logical positions ``chosen [T, C]`` (``-1``: none,
     scored ``-inf``) of a paged ``k [blocks, block_size, Di]``."""
-    size = k.shape[1]
-    safe = chosen.clamp_min(0)  # a -1 reads block_table[t, 0], which may name no block
-    blocks = block_table.long().gather(1, safe // size).clamp(0, k.shape[0] - 1)
-    slots = blocks * size + safe % size
+    slots = slots_of_positions(chosen, block_table, k.shape[1]).clamp_min(0)  # -1: masked
     rows = k.reshape(-1, k.shape[-1])[slots].float()  # [T, C, Di]: the chosen rows only
     dots = torch.einsum("thd,tcd->thc", q.float(), rows).relu()
     values = torch.einsum("th,thc->tc", weights, dots)

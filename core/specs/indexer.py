@@ -102,6 +102,17 @@ def paged_slots(block_table: torch.Tensor, block_size: int, blocks: int) -> torc
     return table[:, pos // block_size] * block_size + pos % block_size
 
 
+def slots_of_positions(
+    positions: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Logical positions ``[T, K]`` (``-1``: none) of each query's sequence, as a paged
+    call returns them, as the pool's slots ``[T, K]`` int64 through ``block_table [T, M]``
+    (``-1`` kept)."""
+    p = positions.long().clamp_min(0)
+    block = block_table.long().gather(1, p // block_size)
+    return torch.where(positions >= 0, block * block_size + p % block_size, -1)
+
+
 def _range_lengths(k_start, k_end, n):
     """``[T]`` keys in each query's range (the ranges are checked from ``full`` up)."""
     return (k_end.clamp(0, n) - k_start.clamp(0, n)).clamp_min(0)
