@@ -9,7 +9,13 @@ combine``, forward and backward. The parent puts the ranks' outputs and x-gradie
 back together and judges them against ``moe_dispatch -> grouped_gemm -> moe_combine``
 on the reference backend in float64, with the dtype's tolerance
 (:mod:`glmport.core.tolerance`). Processes start once per backend: one run covers
-every dtype, and its results are kept for the checks of the other dtypes.
+every case, and its results are kept for the checks of the other cases.
+
+Two families: ``tiny`` (``D`` 16, ``F`` 12, float32 and bfloat16) runs forward and
+backward, as training does; ``inference`` (bfloat16 rows of width 1024, grad mode off)
+is the call that inference-only fused pairs take (Ascend's MC2 needs ``H >= 1024``).
+A worker records the fallbacks its calls take, so a check whose calls the backend
+handed to another is credited to that one (``ran_on``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import pickle
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,53 +37,85 @@ import glmport
 from glmport.core.errors import BackendUnavailableError, UnsupportedError
 from glmport.core.expert_parallel import COMPONENT
 from glmport.core.registry import REGISTRY, Backend, chain_for
-from glmport.core.selection import current_settings
+from glmport.core.selection import current_settings, recording_fallbacks
 
 from .cases.base import Case
+from .gradients import Attributed
 from .judges import Verdict, close
 
 WORLD = 2
 TOKENS = (6, 9)  # per rank
-D, F, E, K = 16, 12, 8, 3
+E, K = 8, 3
 UNUSED_EXPERT = 2  # no token picks it: an empty expert on rank 0
-DTYPES = (torch.float32, torch.bfloat16)
 SEED = 5
 TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One expert-parallel case: ``name`` and ``family`` (the case's), token width
+    ``d``, expert output width ``f``, ``dtype``, and whether it runs backward too
+    (``train``)."""
+
+    name: str
+    family: str
+    d: int
+    f: int
+    dtype: torch.dtype
+    train: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{str(self.dtype).removeprefix('torch.')}"
+
+
+VARIANTS = (
+    Variant(f"world{WORLD}", "tiny", 16, 12, torch.float32, train=True),
+    Variant(f"world{WORLD}", "tiny", 16, 12, torch.bfloat16, train=True),
+    Variant(f"world{WORLD}_inference", "inference", 1024, 1024, torch.bfloat16, train=False),
+)
 
 # Outcomes of a worker's exception, by what run_check makes of the parent's re-raise.
 _UNSUPPORTED, _UNAVAILABLE, _ERROR = "unsupported", "unavailable", "error"
 
 
-def _batch(gen: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The global batch: ``x [T, D]`` and ``w [E, F, D]`` in ``dtype``, routing
-    ``weights [T, K]`` fp32 and ``ids [T, K]`` int32, cotangent ``cot [T, F]`` fp32
+def _batch(gen: torch.Generator, v: Variant) -> tuple[torch.Tensor, ...]:
+    """The global batch: ``x [T, d]`` and ``w [E, f, d]`` in ``v.dtype``, routing
+    ``weights [T, K]`` fp32 and ``ids [T, K]`` int32, cotangent ``cot [T, f]`` fp32
     (``T = sum(TOKENS)``)."""
     t = sum(TOKENS)
-    x = torch.randn(t, D, generator=gen).to(dtype)
-    w = (torch.randn(E, F, D, generator=gen) * D**-0.5).to(dtype)
+    x = torch.randn(t, v.d, generator=gen).to(v.dtype)
+    w = (torch.randn(E, v.f, v.d, generator=gen) * v.d**-0.5).to(v.dtype)
     logits = torch.randn(t, E, generator=gen)
     logits[:, UNUSED_EXPERT] = float("-inf")
     top, ids = logits.topk(K, dim=1)
     weights = torch.softmax(top, dim=1)
-    cot = torch.randn(t, F, generator=gen)
+    cot = torch.randn(t, v.f, generator=gen)
     return x, w, weights, ids.to(torch.int32), cot
 
 
 def ep_cases() -> list[Case]:
-    """One case per dtype; all of them share one run of the processes."""
-    params = {"world": WORLD, "tokens": TOKENS, "D": D, "F": F, "E": E, "k": K}
+    """One case per variant; all of them share one run of the processes."""
     return [
         Case(
             COMPONENT,
-            f"world{WORLD}",
-            "tiny",
-            dtype,
-            build=lambda g, dtype=dtype: _batch(g, dtype),
-            params=tuple(sorted(params.items())),
+            v.name,
+            v.family,
+            v.dtype,
+            build=lambda g, v=v: _batch(g, v),
+            params=tuple(
+                sorted(
+                    {"world": WORLD, "tokens": TOKENS, "D": v.d, "F": v.f, "E": E, "k": K}.items()
+                )
+            ),
             seed=SEED,
         )
-        for dtype in DTYPES
+        for v in VARIANTS
     ]
+
+
+def _variant(case: Case) -> Variant:
+    return next(v for v in VARIANTS if (v.name, v.dtype) == (case.name, case.dtype))
 
 
 def rendezvous(folder: str) -> str:
@@ -93,24 +132,28 @@ def _kind(err: Exception) -> str:
     return _ERROR
 
 
-def _result_path(out_dir: str, dtype: torch.dtype, rank: int) -> Path:
-    return Path(out_dir) / f"{str(dtype).removeprefix('torch.')}-rank{rank}.pt"
+def _result_path(out_dir: str, v: Variant, rank: int) -> Path:
+    return Path(out_dir) / f"{v.key}-rank{rank}.pt"
 
 
-def _run_rank(rank: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """This rank's share of the check: ``{"out": [T_r, F], "grad": [T_r, D] or None}``."""
-    x_all, w, weights, ids, cot = _batch(torch.Generator().manual_seed(SEED), dtype)
+def _run_rank(rank: int, v: Variant, device: torch.device) -> dict:
+    """This rank's share of the check: ``{"out": [T_r, f], "grad": [T_r, d] or None
+    (None also when ``v`` does not train), "fallbacks": [backend used, ...]}``."""
+    x_all, w, weights, ids, cot = _batch(torch.Generator().manual_seed(SEED), v)
     first = sum(TOKENS[:rank])
     mine = slice(first, first + TOKENS[rank])
-    ep = glmport.expert_parallel(E, device=device)
-    x = x_all[mine].to(device).clone().requires_grad_()
-    x_local, offsets, handle = ep.dispatch(x, ids[mine].to(device))
-    w_mine = w[ep.first_expert : ep.first_expert + ep.local_experts].to(device)
-    y_local = glmport.ops.grouped_gemm(x_local, w_mine, offsets)
-    out = ep.combine(y_local, handle, weights[mine].to(device))
-    (out.float() * cot[mine].to(device)).sum().backward()
+    with recording_fallbacks() as fallbacks, torch.set_grad_enabled(v.train):
+        ep = glmport.expert_parallel(E, device=device)
+        x = x_all[mine].to(device).clone().requires_grad_(v.train)
+        x_local, offsets, handle = ep.dispatch(x, ids[mine].to(device))
+        w_mine = w[ep.first_expert : ep.first_expert + ep.local_experts].to(device)
+        y_local = glmport.ops.grouped_gemm(x_local, w_mine, offsets)
+        out = ep.combine(y_local, handle, weights[mine].to(device))
+        if v.train:
+            (out.float() * cot[mine].to(device)).sum().backward()
     grad = None if x.grad is None else x.grad.detach().cpu()
-    return {"out": out.detach().cpu(), "grad": grad}
+    used = [used for _, op, used in fallbacks if op == COMPONENT]
+    return {"out": out.detach().cpu(), "grad": grad, "fallbacks": used}
 
 
 def _worker(
@@ -120,15 +163,15 @@ def _worker(
     device_type: str,
     collectives: str,
     in_code: list[Backend],
-    dtypes: list[torch.dtype],
+    variants: list[Variant],
     out_dir: str,
 ) -> None:
-    """One rank: runs ``dtypes`` in order, saving each result for the parent. An
-    exception is saved as the result of the dtype it stopped, and ends the process:
+    """One rank: runs ``variants`` in order, saving each result for the parent. An
+    exception is saved as the result of the variant it stopped, and ends the process:
     the other rank may be waiting in a collective that will never complete, so the
-    parent starts afresh for the remaining dtypes."""
+    parent starts afresh for the remaining variants."""
     torch.set_num_threads(1)  # two processes share the cores
-    dtype = dtypes[0]
+    variant = variants[0]
     try:
         for b in in_code:  # a new process knows the parent's in-code backends only so
             glmport.register_backend(b, replace=True)
@@ -146,11 +189,12 @@ def _worker(
                 timeout=timedelta(seconds=TIMEOUT_S),
                 device_id=None if device_type == "cpu" else device,
             )
-            for dtype in dtypes:
-                torch.save(_run_rank(rank, dtype, device), _result_path(out_dir, dtype, rank))
+            for variant in variants:
+                result = _run_rank(rank, variant, device)
+                torch.save(result, _result_path(out_dir, variant, rank))
     except Exception as err:
         reason = f"rank {rank}: {type(err).__name__}: {err}"
-        torch.save({"kind": _kind(err), "reason": reason}, _result_path(out_dir, dtype, rank))
+        torch.save({"kind": _kind(err), "reason": reason}, _result_path(out_dir, variant, rank))
         raise
     finally:
         if dist.is_initialized():
@@ -191,15 +235,15 @@ def _in_code_backends(backend: str) -> list[Backend]:
 
 
 def _spawn_once(
-    backend: str, emulate: bool, device_type: str, collectives: str, dtypes: list[torch.dtype]
-) -> tuple[dict[torch.dtype, list[dict]], str]:
-    """Run the workers over ``dtypes``; the per-rank results of every dtype that all
-    ranks finished or some rank raised in, and why the run stopped early ("": it
+    backend: str, emulate: bool, device_type: str, collectives: str, variants: list[Variant]
+) -> tuple[dict[Variant, list[dict]], str]:
+    """Run the workers over ``variants``; the per-rank results of every variant that
+    all ranks finished or some rank raised in, and why the run stopped early ("": it
     did not)."""
     method = start_method(device_type)
     in_code = _in_code_backends(backend)
     with tempfile.TemporaryDirectory(prefix="glmport-ep-") as out_dir:
-        args = (backend, emulate, device_type, collectives, in_code, dtypes, out_dir)
+        args = (backend, emulate, device_type, collectives, in_code, variants, out_dir)
         ctx = mp.start_processes(_worker, args, WORLD, join=False, start_method=method)
         stopped = ""
         deadline = time.monotonic() + TIMEOUT_S
@@ -215,27 +259,27 @@ def _spawn_once(
                 if p.is_alive():
                     p.terminate()
                     p.join()
-        results: dict[torch.dtype, list[dict]] = {}
-        for dtype in dtypes:
-            paths = [_result_path(out_dir, dtype, r) for r in range(WORLD)]
+        results: dict[Variant, list[dict]] = {}
+        for v in variants:
+            paths = [_result_path(out_dir, v, r) for r in range(WORLD)]
             ranks = [torch.load(p, weights_only=True) for p in paths if p.exists()]
             if len(ranks) == WORLD or any("kind" in r for r in ranks):
-                results[dtype] = [r for r in ranks if "kind" in r] or ranks
+                results[v] = [r for r in ranks if "kind" in r] or ranks
     return results, stopped
 
 
 def _run_all(
     backend: str, emulate: bool, device_type: str, collectives: str
-) -> dict[torch.dtype, list[dict]]:
-    """Every dtype's per-rank results, starting the processes again only after a
+) -> dict[Variant, list[dict]]:
+    """Every variant's per-rank results, starting the processes again only after a
     failure stopped them early."""
-    results: dict[torch.dtype, list[dict]] = {}
-    pending = list(DTYPES)
+    results: dict[Variant, list[dict]] = {}
+    pending = list(VARIANTS)
     while pending:
         got, stopped = _spawn_once(backend, emulate, device_type, collectives, pending)
         results.update(got)
-        pending = [d for d in pending if d not in got]
-        if pending and not got:  # nothing came back: blame the first dtype, go on
+        pending = [v for v in pending if v not in got]
+        if pending and not got:  # nothing came back: blame the first variant, go on
             reason = stopped or "the worker processes ended without a result"
             results[pending.pop(0)] = [{"kind": _ERROR, "reason": reason}]
     return results
@@ -259,11 +303,11 @@ def _collectives(device_type: str) -> str:
     return name
 
 
-# Per (backend, emulate, device type, registry generation): each dtype's per-rank results.
-_runs: dict[tuple, dict[torch.dtype, list[dict]]] = {}
+# Per (backend, emulate, device type, registry generation): each variant's per-rank results.
+_runs: dict[tuple, dict[Variant, list[dict]]] = {}
 
 
-def _results(backend: str, emulate: bool, device: torch.device) -> dict[torch.dtype, list[dict]]:
+def _results(backend: str, emulate: bool, device: torch.device) -> dict[Variant, list[dict]]:
     collectives = _collectives(device.type)
     # The registry's generation changes when a backend is (re)registered, so a new
     # backend under an old name runs afresh.
@@ -293,8 +337,9 @@ def _reference(
 
 
 def run_ep_check(case: Case, device: torch.device, backend: str) -> Verdict:
-    """Judge ``backend``'s expert parallelism in ``case.dtype`` (see the module doc)."""
-    ranks = _results(backend, current_settings().emulate, device)[case.dtype]
+    """Judge ``backend``'s expert parallelism on ``case`` (see the module doc)."""
+    v = _variant(case)
+    ranks = _results(backend, current_settings().emulate, device)[v]
     raised = next((r for r in ranks if "kind" in r), None)
     if raised is not None:
         if raised["kind"] == _UNSUPPORTED:
@@ -302,18 +347,34 @@ def run_ep_check(case: Case, device: torch.device, backend: str) -> Verdict:
         if raised["kind"] == _UNAVAILABLE:
             raise BackendUnavailableError(raised["reason"])
         raise RuntimeError(f"in a worker process, {raised['reason']}")
-    if any(r["grad"] is None for r in ranks):
+    if v.train and any(r["grad"] is None for r in ranks):
         return Verdict(False, "no gradient reached 'x' through dispatch and combine")
+    # Whose code ran: the backend a fallback handed the calls to.
+    ran_on = next((used for r in ranks for used in r["fallbacks"]), "")
+    handed = f"{backend}'s expert_parallel handed the calls to {ran_on}" if ran_on else ""
     x, w, weights, ids, cot = case.args()
     ref_out, ref_grad = _reference(x, w, weights, ids, cot)
     out = torch.cat([r["out"] for r in ranks])
     verdict = close(COMPONENT, case.dtype, (), out, ref_out)
     if not verdict.ok:
-        return Verdict(
-            False, f"combined output: {verdict.reason}", verdict.metrics, verdict.tolerance
+        return Attributed(
+            False,
+            f"combined output: {verdict.reason}",
+            verdict.metrics,
+            verdict.tolerance,
+            ran_on=ran_on,
         )
-    grad = close(COMPONENT, case.dtype, (), torch.cat([r["grad"] for r in ranks]), ref_grad)
-    if not grad.ok:
-        return Verdict(False, f"gradient of 'x': {grad.reason}", grad.metrics, grad.tolerance)
-    worst = {k: max(verdict.metrics[k], grad.metrics[k]) for k in verdict.metrics}
-    return Verdict(True, "", worst, verdict.tolerance)
+    worst = verdict.metrics
+    if v.train:
+        grads = torch.cat([r["grad"] for r in ranks])
+        grad = close(COMPONENT, case.dtype, (), grads, ref_grad)
+        if not grad.ok:
+            return Attributed(
+                False,
+                f"gradient of 'x': {grad.reason}",
+                grad.metrics,
+                grad.tolerance,
+                ran_on=ran_on,
+            )
+        worst = {k: max(verdict.metrics[k], grad.metrics[k]) for k in verdict.metrics}
+    return Attributed(True, handed, worst, verdict.tolerance, ran_on=ran_on)

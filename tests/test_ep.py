@@ -176,7 +176,9 @@ def test_the_conformance_check_passes_honest_implementations(ep_test_backends):
     for backend, ran_on in [("cpu", "cpu"), ("generic", "generic"), ("ep_vendor", "ep_vendor"),
                             ("ep_lacking", "generic")]:  # fmt: skip
         records = _ep_records(backend)
-        assert [r.dtype for r in records] == ["float32", "bfloat16"]
+        assert [(r.family, r.dtype) for r in records] == [
+            ("tiny", "float32"), ("tiny", "bfloat16"), ("inference", "bfloat16")
+        ]  # fmt: skip
         for r in records:
             assert (r.outcome, r.ran_on) == ("pass", ran_on), (backend, r)
             assert r.metrics["max_rel"] <= r.tolerance["max_rel"]
@@ -190,8 +192,12 @@ def test_a_dtype_the_implementation_declines_is_unsupported_not_fatal():
         records = _ep_records(backend.manifest.name)
     finally:
         glmport.unregister_backend(backend.manifest.name)
-    outcomes = {r.dtype: r.outcome for r in records}
-    assert outcomes == {"float32": "unsupported", "bfloat16": "pass"}, records
+    outcomes = [(r.family, r.dtype, r.outcome) for r in records]
+    assert outcomes == [
+        ("tiny", "float32", "unsupported"),
+        ("tiny", "bfloat16", "pass"),
+        ("inference", "bfloat16", "pass"),
+    ], records
     assert "ep_bf16_only dispatches bfloat16 tokens" in records[0].reason
 
 
@@ -217,7 +223,7 @@ def test_the_conformance_check_works_in_spawned_workers(monkeypatch):
     backend = ep_backends.DropsLastRankBackend()
     glmport.register_backend(backend)
     try:
-        (check, _) = suite_checks(ops=("expert_parallel",))
+        check = suite_checks(ops=("expert_parallel",))[0]
         record = run_check(check, backend.manifest.name)
     finally:
         glmport.unregister_backend(backend.manifest.name)

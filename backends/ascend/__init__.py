@@ -2,9 +2,10 @@
 Huawei Ascend NPUs (Atlas A2 / A3), and a CPU emulator of those ops' contracts.
 
 Each adapter (one module per op family: ``indexer``, ``attention``, ``moe``, ``gemm``,
-``quant``, ``norm_rope``) converts glmport's packed layouts and conventions into the
-vendor op's own (TND / BSND / PA_BSND layouts with cumulative sequence lengths,
-softmax max / sum instead of a log-sum-exp, int4 packed eight to an int32) and back.
+``norm_rope``; ``ep`` for expert parallelism over the MC2 pair) converts glmport's
+packed layouts and conventions into the vendor op's own (TND / BSND / PA_BSND layouts
+with cumulative sequence lengths, softmax max / sum instead of a log-sum-exp, int4
+packed eight to an int32) and back.
 It takes the torch_npu namespace as its first argument: the real ``torch_npu`` on an
 NPU, or, with ``GLMPORT_EMULATE=1``, :mod:`.emulator`, CPU implementations of the same
 documented contracts — so the conversions the adapters make are what the conformance
@@ -66,6 +67,7 @@ class AscendBackend(Backend):
             "quant_gemm",
             "rms_norm",
             "rope",
+            "expert_parallel",
         ),
         # The torch_npu ops' documented limits on Atlas A2 / A3 (sources in each
         # adapter's docstring and docs/ascend.md); calls beyond them run on the generic
@@ -166,7 +168,7 @@ class AscendBackend(Backend):
         )
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
-        from . import attention, gemm, indexer, moe, norm_rope
+        from . import attention, ep, gemm, indexer, moe, norm_rope
         from .profile import detect_profile
 
         npu = torch_npu_namespace(emulate)
@@ -186,7 +188,12 @@ class AscendBackend(Backend):
             "rms_norm": norm_rope.rms_norm,
             "rope": norm_rope.rope,
         }
-        return {name: functools.partial(adapter, npu) for name, adapter in adapters.items()}
+        kernels = {name: functools.partial(adapter, npu) for name, adapter in adapters.items()}
+        comm_name = npu.hccl_comm_name if emulate else ep.hccl_comm_name
+        kernels["expert_parallel"] = functools.partial(
+            ep.MC2ExpertParallel, npu=npu, comm_name=comm_name
+        )
+        return kernels
 
     def prepare_weight(self, op, w, w_scale, scheme, emulate):
         from .gemm import prepare_weight

@@ -62,6 +62,11 @@ _RELEASES = (
     ((2, 5, 1), 1, (7, 1, 0)),
     ((2, 5, 1), 0, (7, 0, 0)),
 )
+# The MC2 pair (npu_moe_distribute_dispatch_v2 / combine_v2) on Atlas A3: the 26.1.0
+# pages take H in [1024, 7168] (combine's range; dispatch's reaches 8192) and K <= 16;
+# the 7.0.0 pages took H = 7168 only and K <= 8. The releases between were not read and
+# count as older.
+MC2_WIDTHS_FROM = (26, 1, 0)
 _PACKAGE = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?")
 
 
@@ -84,8 +89,19 @@ def torch_npu_release(package_version: str) -> tuple[int, int, int] | None:
     return None
 
 
+def _documented_from(package_version: str, first: tuple[int, int, int]) -> bool:
+    """Whether the build belongs to TorchNPU release ``first`` or a newer one."""
+    release = torch_npu_release(package_version)
+    return release is not None and release >= first
+
+
 def indexer_takes_any_heads(package_version: str) -> bool:
     """Whether the build's lightning indexer documents ``N1 <= 64`` query heads with
     float32 weights (else exactly 64, weights in the query's dtype)."""
-    release = torch_npu_release(package_version)
-    return release is not None and release >= INDEXER_ANY_HEADS_FROM
+    return _documented_from(package_version, INDEXER_ANY_HEADS_FROM)
+
+
+def mc2_takes_any_width(package_version: str) -> bool:
+    """Whether the build's MC2 pair documents hidden sizes in [1024, 7168] on Atlas A3
+    (else 7168 only)."""
+    return _documented_from(package_version, MC2_WIDTHS_FROM)

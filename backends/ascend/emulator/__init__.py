@@ -11,6 +11,8 @@ the ``torch_npu`` module: an adapter calls ``npu.npu_lightning_indexer(...)`` on
 either. Arithmetic is float32 (the NPU's accumulation precision) on CPU tensors.
 """
 
+from types import SimpleNamespace
+
 from .attention import npu_sparse_flash_attention
 from .build import EmulatedBuild, current_build, emulated_build
 from .contract import NpuContractError
@@ -21,6 +23,7 @@ from .gemm import (
 )
 from .grouped_gemm import npu_grouped_matmul
 from .indexer import npu_lightning_indexer
+from .mc2 import hccl_comm_name, npu_moe_distribute_combine_v2, npu_moe_distribute_dispatch_v2
 from .moe import npu_moe_gating_top_k, npu_moe_init_routing_v2, npu_moe_token_unpermute
 from .norm_rope import npu_rms_norm, npu_rotary_mul
 
@@ -29,9 +32,13 @@ __all__ = [
     "NpuContractError",
     "current_build",
     "emulated_build",
+    "hccl_comm_name",
+    "npu",
     "npu_convert_weight_to_int4pack",
     "npu_grouped_matmul",
     "npu_lightning_indexer",
+    "npu_moe_distribute_combine_v2",
+    "npu_moe_distribute_dispatch_v2",
     "npu_moe_gating_top_k",
     "npu_moe_init_routing_v2",
     "npu_moe_token_unpermute",
@@ -43,6 +50,9 @@ __all__ = [
 ]
 # The torch_npu ops the adapters call (the probe checks a real torch_npu has each).
 OPS = tuple(name for name in __all__ if name.startswith("npu_"))
+
+# torch_npu.npu's device queries the adapters read.
+npu = SimpleNamespace(get_device_name=lambda: current_build().soc_name)
 
 
 def __getattr__(name: str) -> str:

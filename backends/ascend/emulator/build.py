@@ -22,10 +22,12 @@ BEFORE_2026_03 = "2.9.0"
 class EmulatedBuild:
     """``version``: the torch_npu package version reported as ``__version__``;
     ``indexer_positions``: ``"batch"`` or ``"global"``, what multi-batch TND
-    ``sparse_indices`` count from (undocumented)."""
+    ``sparse_indices`` count from (undocumented); ``soc_name``: the chip the device
+    reports (``torch.npu.get_device_name()``), an Atlas A3 by default."""
 
     version: str = NEWEST
     indexer_positions: str = "batch"
+    soc_name: str = "Ascend910_9382"
 
 
 _current = [EmulatedBuild()]
