@@ -15,6 +15,9 @@ Sections (GLM-5 shapes; ``--smoke`` shrinks them):
    (W4A8 / FP8-block on generic only: outside A2 / A3's ops).
 5. ``norm_rope``: RMSNorm over hidden 6144; rope on GLM-5's 64 heads x 64 (interleaved),
    its shared key rope ``[T, 64]`` and the indexer's half-split rope.
+6. ``mla``: the MLA prolog (MLAPO) of a decode batch, at the widths
+   ``npu_mla_prolog_v3`` documents (DeepSeek-V3.2's: served by ascend) and at GLM-5's
+   (generic until a torch_npu documents them).
 
 Every row names the backend that served the call under ``use_backend("ascend")``: a
 call outside the ascend backend's capabilities runs on generic (the row says why and
@@ -53,7 +56,7 @@ from glmport.core.selection import resolve
 from glmport.core.specs import SPECS
 from glmport.core.tolerance import Comparison, tolerance
 
-SECTIONS = ("attention", "indexer", "moe", "quant", "norm_rope")
+SECTIONS = ("attention", "indexer", "moe", "quant", "norm_rope", "mla")
 
 
 @dataclass(frozen=True)
@@ -336,12 +339,47 @@ def norm_rope(b: Bench, s: Sizes) -> None:
         )
 
 
+def mla(b: Bench, s: Sizes) -> None:
+    dev, t, heads, kv_lora, rope = b.device, s.decode_batches[0], s.heads, 512, 64
+    for what, hidden, q_lora, nope in (
+        ("DeepSeek-V3.2 widths", 7168, 1536, 128),
+        ("GLM-5 widths", s.hidden, 2048, 192),
+    ):
+
+        def weight(*shape: int, seed: int) -> torch.Tensor:
+            return randn(*shape, device=dev, scale=shape[-1] ** -0.5, seed=seed)
+
+        angle = randn(t, rope // 2, dtype=torch.float32, device=dev, scale=3.0, seed=26)
+        args = (
+            randn(t, hidden, device=dev, seed=20),
+            weight(q_lora, hidden, seed=21),
+            1 + randn(q_lora, device=dev, scale=0.1, seed=22),
+            weight(heads * (nope + rope), q_lora, seed=23),
+            weight(heads, nope, kv_lora, seed=24),
+            weight(kv_lora + rope, hidden, seed=25),
+            1 + randn(kv_lora, device=dev, scale=0.1, seed=27),
+            angle.cos(),
+            angle.sin(),
+            1e-6,
+        )
+        gemms = hidden * (q_lora + kv_lora + rope) + q_lora * heads * (nope + rope)
+        b.compare(
+            "mla",
+            f"mla_prolog {what} T={t} H={heads}",
+            "mla_prolog",
+            args,
+            torch.bfloat16,
+            flops=2.0 * t * (gemms + heads * nope * kv_lora),
+        )
+
+
 RUNNERS = {
     "attention": attention,
     "indexer": indexer,
     "moe": moe,
     "quant": quant,
     "norm_rope": norm_rope,
+    "mla": mla,
 }
 
 

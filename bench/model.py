@@ -66,7 +66,7 @@ MASK_ENTRIES = 1 << 24
 
 def _dense_attend_latent(
     self: Attention,
-    p,
+    q: torch.Tensor,
     latent_cache: torch.Tensor,
     slots: torch.Tensor,
     rope_cache: torch.Tensor | None = None,
@@ -92,8 +92,7 @@ def _dense_attend_latent(
         rope = None if rope_cache is None else rope_cache.index_select(0, keys)
     if rope is not None:  # SDPA takes one key tensor: the cache's pools side by side
         kv = torch.cat((kv, rope), dim=-1)
-    w_uk, w_uv = self._kv_up()
-    q = torch.cat((torch.einsum("thn,hnc->thc", p.q_nope, w_uk), p.q_pe), dim=-1)
+    _, w_uv = self._kv_up()
     t, h = q.shape[0], q.shape[1]
     k, v = kv[None, None], kv[None, None, :, : c.kv_lora_rank]
     if bool((counts == n).all()):  # decode: every query sees every key

@@ -53,6 +53,7 @@ OP_FAMILIES = {
     "rms_norm": "norm_rope",
     "rope": "norm_rope",
     "token_logprobs": "logprobs",
+    "mla_prolog": "attention",
     MODEL_OP: "model",
 }
 # A required check's outcome in a run: the runner's outcomes, a pass split by whose

@@ -63,7 +63,13 @@ BY_DTYPE: dict[torch.dtype, Tolerance] = {
 }
 
 # Per-op adjustments where the op's own arithmetic needs more room than its dtype.
-BY_OP: dict[tuple[str, torch.dtype], Tolerance] = {}
+# mla_prolog: its contract rounds every named intermediate to the dtype, and q_latent
+# follows three of them (x @ w_dq.T, q_norm, q) before its own: twice the one-rounding
+# bounds (fuzzing small shapes found a correct bf16 composite at mean_rel 6.9e-3).
+BY_OP: dict[tuple[str, torch.dtype], Tolerance] = {
+    ("mla_prolog", torch.bfloat16): Tolerance(3e-2, 1.2e-2),
+    ("mla_prolog", torch.float16): Tolerance(4e-3, 2e-3),
+}
 
 
 # token_logprobs, per token, in nats: a kernel that computes the logits in float32

@@ -101,16 +101,17 @@ def _layer(
     ``x`` and this layer's grown caches ``[B, P+S, ...]``."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
-    proj = attn.project(h, cos, sin)
+    step = attn.prolog(h, cos, sin)
     b = past_latent.shape[0]
-    latent = torch.cat((past_latent, proj.latent.view(b, -1, proj.latent.shape[-1])), dim=1)
+    row = torch.cat((step.latent, step.k_rope), dim=-1)
+    latent = torch.cat((past_latent, row.view(b, -1, row.shape[-1])), dim=1)
     new_keys = attn.indexer.keys(h, cos, sin)
     keys = torch.cat((past_keys, new_keys.view(b, -1, new_keys.shape[-1])), dim=1)
-    q, weights = attn.indexer.queries(h, proj.q_res, cos, sin)
+    q, weights = attn.indexer.queries(h, step.q_res, cos, sin)
     indices, _ = ops.lightning_indexer(
         q, keys.reshape(-1, keys.shape[-1]), weights, k_start, k_end, attn.config.index_topk
     )
-    out = attn.attend_latent(proj, latent.reshape(-1, latent.shape[-1]), indices)
+    out = attn.attend_latent(step.q, latent.reshape(-1, latent.shape[-1]), indices)
     x = x + out
     return x + layer.mlp(layer.post_attention_layernorm(x)), latent, keys
 

@@ -252,25 +252,37 @@ def _quant_gemm(b, t, a):
 
 
 def _rms_norm(b, t, a):
-    x = b.f32(t["x"])
+    return [_normalised(b, t["x"], t["weight"])]
+
+
+def _normalised(b: Body, x_in: str, weight: str) -> str:
+    """``rms_norm`` of ``x_in`` (``[..., D]``) with gain ``weight`` and the op's ``eps``
+    attribute, in ``x_in``'s dtype."""
+    x = b.f32(x_in)
     # Rows beyond 1 are divided by their max |x| first (no overflow), as the reference.
     s = b("Max", b("ReduceMax", b("Abs", x), b.ints(-1), keepdims=1), b.const(1.0))
     xs = b("Div", x, s)
     ms = b("ReduceMean", b("Mul", xs, xs), b.ints(-1), keepdims=1)
     eps = b("Div", b.attr("eps", "float"), b("Mul", s, s))
     inv = b("Reciprocal", b("Sqrt", b("Add", ms, eps)))
-    return [b("CastLike", b("Mul", b("Mul", xs, inv), b.f32(t["weight"])), t["x"])]
+    return b("CastLike", b("Mul", b("Mul", xs, inv), b.f32(weight)), x_in)
 
 
 def _rope(b, t, a):
-    x = b.f32(t["x"])
+    return [_rotated(b, t["x"], t["cos"], t["sin"], a["interleaved"])]
+
+
+def _rotated(b: Body, x_in: str, cos: str, sin: str, interleaved: bool) -> str:
+    """``rope`` of ``x_in`` (``[T, ..., D]``) by ``cos`` / ``sin`` ``[T, D/2]``, in
+    ``x_in``'s dtype."""
+    x = b.f32(x_in)
     shape = b("Shape", x)
     # cos / sin [T, D/2] viewed as [T, 1, ..., 1, D/2] to broadcast over head dims.
     middle = b("Reshape", b("Sub", b("Size", shape), b.const(2, "int64")), b.ints(1))
     ones = b("ConstantOfShape", middle, value=_int64_one())
-    c = b.reshape(b.f32(t["cos"]), b.dim(t["cos"], 0), ones, b.dim(t["cos"], 1))
-    s = b.reshape(b.f32(t["sin"]), b.dim(t["sin"], 0), ones, b.dim(t["sin"], 1))
-    if a["interleaved"]:
+    c = b.reshape(b.f32(cos), b.dim(cos, 0), ones, b.dim(cos, 1))
+    s = b.reshape(b.f32(sin), b.dim(sin, 0), ones, b.dim(sin, 1))
+    if interleaved:
         big = b.ints(INT64_MAX)
         x1 = b("Slice", x, b.ints(0), big, b.ints(-1), b.ints(2))
         x2 = b("Slice", x, b.ints(1), big, b.ints(-1), b.ints(2))
@@ -278,12 +290,40 @@ def _rope(b, t, a):
         x1, x2 = b("Split", x, axis=-1, num_outputs=2, outputs=2)
     y1 = b("Sub", b("Mul", x1, c), b("Mul", x2, s))
     y2 = b("Add", b("Mul", x1, s), b("Mul", x2, c))
-    if a["interleaved"]:
+    if interleaved:
         pair = b("Concat", b("Unsqueeze", y1, b.ints(-1)), b("Unsqueeze", y2, b.ints(-1)), axis=-1)
         y = b("Reshape", pair, shape, allowzero=1)
     else:
         y = b("Concat", y1, y2, axis=-1)
-    return [b("CastLike", y, t["x"])]
+    return b("CastLike", y, x_in)
+
+
+def _mla_prolog(b, t, a):
+    x, w_uk = t["x"], t["w_uk"]
+
+    def linear(inp: str, w: str) -> str:
+        return b("CastLike", b("MatMul", b.f32(inp), transpose(b, b.f32(w), 1, 0)), x)
+
+    big = b.ints(INT64_MAX)
+    heads, nope, kv_lora = b.dim(w_uk, 0), b.dim(w_uk, 1), b.dim(w_uk, 2)
+    q_norm = _normalised(b, linear(x, t["w_dq"]), t["gamma_cq"])
+    per_head_width = b("Div", b.dim(t["w_uq"], 0), heads)
+    q = b.reshape(linear(q_norm, t["w_uq"]), b.dim(x, 0), heads, per_head_width)
+    q_nope = b("Slice", q, b.ints(0), nope, b.ints(2))
+    q_pe = b("Slice", q, nope, big, b.ints(2))
+    per_head = b("MatMul", b("Transpose", b.f32(q_nope), perm=[1, 0, 2]), b.f32(w_uk))
+    q_latent = b("CastLike", b("Transpose", per_head, perm=[1, 0, 2]), x)
+    kv = linear(x, t["w_dkv"])
+    latent = b("Slice", kv, b.ints(0), kv_lora, b.ints(1))
+    k_pe = b("Slice", kv, kv_lora, big, b.ints(1))
+    cos, sin = t["cos"], t["sin"]
+    return [
+        q_latent,
+        _rotated(b, q_pe, cos, sin, True),
+        q_norm,
+        _normalised(b, latent, t["gamma_ckv"]),
+        _rotated(b, k_pe, cos, sin, True),
+    ]
 
 
 def _int64_one():
@@ -323,4 +363,5 @@ BODIES: dict[str, Callable] = {
     "rms_norm": _rms_norm,
     "rope": _rope,
     "token_logprobs": _token_logprobs,
+    "mla_prolog": _mla_prolog,
 }

@@ -444,6 +444,36 @@ def rope(g: Graph, x, cos, sin, interleaved=True):
     return g(op.astype(y, g.dtype(x)))
 
 
+def mla_prolog(g: Graph, x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps=1e-6):
+    """The five outputs in x's dtype, each named intermediate rounded to it as the
+    reference (``backends/cpu/mla.py``) rounds."""
+    op = g.op
+    t = g.shape(x)[0]
+    heads, nope, kv_lora = g.shape(w_uk)
+    dtype = g.dtype(x)
+
+    def linear(a, w):
+        return g(op.astype(g.matmul(g.f32(a), g(op.permute_dims(g.f32(w)))), dtype))
+
+    q_norm = rms_norm(g, linear(x, w_dq), gamma_cq, eps)
+    width = nope + 2 * g.shape(cos)[1]
+    q = g(op.reshape(linear(q_norm, w_uq), [t, heads, width]))
+    q_nope = g(op.strided_slice(q, axes=[2], begin=[0], end=[nope]))
+    q_pe = g(op.strided_slice(q, axes=[2], begin=[nope], end=[width]))
+    per_head = g.matmul(g(op.permute_dims(g.f32(q_nope), [1, 0, 2])), g.f32(w_uk))
+    q_latent = g(op.astype(op.permute_dims(per_head, [1, 0, 2]), dtype))
+    kv = linear(x, w_dkv)
+    latent = g(op.strided_slice(kv, axes=[1], begin=[0], end=[kv_lora]))
+    k_pe = g(op.strided_slice(kv, axes=[1], begin=[kv_lora], end=[kv_lora + 2 * g.shape(cos)[1]]))
+    return (
+        q_latent,
+        rope(g, q_pe, cos, sin),
+        q_norm,
+        rms_norm(g, latent, gamma_ckv, eps),
+        rope(g, k_pe, cos, sin),
+    )
+
+
 def token_logprobs(g: Graph, hidden, lm_head, targets, temperature=1.0):
     """logp ``[T]`` fp32 (NaN for a target outside ``[0, V)``), entropy ``[T]`` fp32 (both
     NaN when ``V = 0``)."""
@@ -483,6 +513,7 @@ EMITTERS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,
     "rope": rope,
     "token_logprobs": token_logprobs,
+    "mla_prolog": mla_prolog,
 }
 assert set(EMITTERS) == set(OP_NAMES)
 

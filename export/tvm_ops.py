@@ -122,6 +122,12 @@ def _shapes(op: str, args: tuple, d: _Dims) -> list:
         return [[d.T, *mid, d.D], [d.T, d.D // 2], [d.T, d.D // 2]]
     if op == "token_logprobs":
         return [[d.T, d.D], [d.V, d.D], [d.T]]
+    if op == "mla_prolog":  # hidden Hd, q_lora Q, nope Dn, kv_lora C, rope 2P
+        rope = 2 * d.P
+        return [
+            [d.T, d.Hd], [d.Q, d.Hd], [d.Q], [d.H * (d.Dn + rope), d.Q], [d.H, d.Dn, d.C],
+            [d.C + rope, d.Hd], [d.C], [d.T, d.P], [d.T, d.P],
+        ]  # fmt: skip
     raise KeyError(op)
 
 

@@ -9,6 +9,7 @@ from glmport.core import library as _library  # noqa: F401  (registers torch.ops
 from glmport.core.specs.attention import sparse_attention
 from glmport.core.specs.indexer import indexer_logits, lightning_indexer
 from glmport.core.specs.logprobs import token_logprobs
+from glmport.core.specs.mla import mla_prolog
 from glmport.core.specs.moe import grouped_gemm, moe_combine, moe_dispatch, moe_gate
 from glmport.core.specs.norm_rope import rms_norm, rope
 from glmport.core.specs.quant import quant_gemm, quantize, quantize_weight
@@ -17,6 +18,7 @@ __all__ = [
     "grouped_gemm",
     "indexer_logits",
     "lightning_indexer",
+    "mla_prolog",
     "moe_combine",
     "moe_dispatch",
     "moe_gate",

@@ -158,6 +158,17 @@ class MLAProjections:
 
 
 @dataclass
+class LatentQueries:
+    """One cached step's attention inputs for ``T`` new tokens (the MLA prolog's
+    outputs): what the absorbed attention reads and what the cache stores."""
+
+    q: torch.Tensor  # [T, H, kv_lora + rope]: W_UK folded into the nope part, rope rotated
+    q_res: torch.Tensor  # [T, q_lora], the normalised query latent (indexer input)
+    latent: torch.Tensor  # [T, kv_lora], the normalised c_kv (the cache's latent row)
+    k_rope: torch.Tensor  # [T, rope], the rotated rope key (the cache's rope row)
+
+
+@dataclass
 class AttentionRecord:
     """What one packed :meth:`Attention.forward` saw and computed, detached: the
     inputs of the indexer's training loss (:mod:`glmport.model.training`)."""
@@ -247,6 +258,49 @@ class Attention(nn.Module):
         q_pe, k_pe = pe[:, :heads], pe[:, heads]
         return MLAProjections(q_nope, q_pe, q_res, torch.cat((c_kv, k_pe), dim=-1))
 
+    def prolog(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> LatentQueries:
+        """The cached step's projections of ``h [T, hidden]``: one ``ops.mla_prolog``
+        call (MLAPO) when the layer's weights are what it takes (float ``nn.Linear``
+        projections without bias, everything in ``h``'s dtype) and no gradient is
+        wanted (the op has no backward); else the same computation as
+        :meth:`project` and the ``W_UK`` absorption (quantised or biased projections,
+        training)."""
+        c = self.config
+        w_uk, _ = self._kv_up()
+        if self._takes_mla_prolog(h):
+            q_lat, q_pe, q_res, latent, k_rope = ops.mla_prolog(
+                h,
+                self.q_a_proj.weight,
+                self.q_a_layernorm.weight,
+                self.q_b_proj.weight,
+                w_uk,
+                self.kv_a_proj_with_mqa.weight,
+                self.kv_a_layernorm.weight,
+                cos,
+                sin,
+                MLA_NORM_EPS,
+            )
+        else:
+            p = self.project(h, cos, sin)
+            q_lat, q_pe, q_res = self._absorb(p.q_nope), p.q_pe, p.q_res
+            latent, k_rope = p.latent[:, : c.kv_lora_rank], p.latent[:, c.kv_lora_rank :]
+        return LatentQueries(torch.cat((q_lat, q_pe), dim=-1), q_res, latent, k_rope)
+
+    def _takes_mla_prolog(self, h: torch.Tensor) -> bool:
+        linears = (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj)
+        gains = (self.q_a_layernorm.weight, self.kv_a_layernorm.weight)
+        return (
+            not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+            and all(type(m) is nn.Linear and m.bias is None for m in linears)
+            and all(w.dtype == h.dtype for w in (*(m.weight for m in linears), *gains))
+        )
+
+    def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """``q_nope [T, H, nope]`` with ``W_UK`` folded in: ``[T, H, kv_lora]``."""
+        w_uk, _ = self._kv_up()
+        # Per-head GEMMs over the token axis: [H, T, nope] @ [H, nope, kv_lora].
+        return torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
     def _kv_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b_proj`` split per head: ``W_UK [H, nope, kv_lora]``, ``W_UV [H, v, kv_lora]``."""
         c = self.config
@@ -327,38 +381,46 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, -1)), q, k, lse
 
     def _absorbed(
+        self, p: MLAProjections, latent: torch.Tensor, slots: torch.Tensor, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_attend_absorbed` of the packed tokens' projections ``p`` over their
+        own latent rows ``[N, kv_lora + rope]``: the output ``[T, hidden]``, the
+        absorbed queries ``[T, H, kv_lora + rope]``, lse."""
+        q = torch.cat((self._absorb(p.q_nope), p.q_pe), dim=-1)
+        out, lse = self._attend_absorbed(q, latent, slots, need_lse)
+        return out, q, lse
+
+    def _attend_absorbed(
         self,
-        p: MLAProjections,
+        q: torch.Tensor,
         latent: torch.Tensor,
         slots: torch.Tensor,
         need_lse: bool,
         rope: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``[T, H, kv_lora + rope]`` (``W_UK`` folded in) over the latent rows
-        ``[N, kv_lora + rope]`` at ``slots [T, K]`` (``-1``: none), ``W_UV`` applied to
-        the result: the output ``[T, hidden]``, those queries, lse ``[T, H]`` (``[0]``
-        unless ``need_lse``). With ``rope [N, rope]`` the latent is ``[N, kv_lora]``
-        and the rope keys lie apart (a paged cache's pools, read in place)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed queries ``q [T, H, kv_lora + rope]`` over the latent rows ``[N,
+        kv_lora + rope]`` at ``slots [T, K]`` (``-1``: none), ``W_UV`` applied to the
+        result: the output ``[T, hidden]`` and lse ``[T, H]`` (``[0]`` unless
+        ``need_lse``). With ``rope [N, rope]`` the latent is ``[N, kv_lora]`` and the
+        rope keys lie apart (a paged cache's pools, read in place)."""
         c = self.config
-        w_uk, w_uv = self._kv_up()
-        # Per-head GEMMs over the token axis: [H, T, nope] @ [H, nope, kv_lora].
-        q_lat = torch.matmul(p.q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        q = torch.cat((q_lat, p.q_pe), dim=-1)
+        _, w_uv = self._kv_up()
         kv = latent[:, None, :]
         v = kv[..., : c.kv_lora_rank]
         k_rope = None if rope is None else rope[:, None, :]
         out_lat, lse = ops.sparse_attention(q, kv, v, slots, self.scale, need_lse, k_rope)
         out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(out.reshape(out.shape[0], -1)), q, lse
+        return self.o_proj(out.reshape(out.shape[0], -1)), lse
 
     def attend_latent(
         self,
-        p: MLAProjections,
+        q: torch.Tensor,
         latent_cache: torch.Tensor,
         slots: torch.Tensor,
         rope_cache: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Absorbed attention ``[T, hidden]``: queries over the latent cache
-        ``[N, kv_lora + rope]`` at physical ``slots [T, K]`` (``-1``: none); or over
-        ``[N, kv_lora]`` with the rope keys ``rope_cache [N, rope]`` stored apart."""
-        return self._absorbed(p, latent_cache, slots, need_lse=False, rope=rope_cache)[0]
+        """Absorbed attention ``[T, hidden]``: :meth:`prolog`'s queries ``q [T, H,
+        kv_lora + rope]`` over the latent cache ``[N, kv_lora + rope]`` at physical
+        ``slots [T, K]`` (``-1``: none); or over ``[N, kv_lora]`` with the rope keys
+        ``rope_cache [N, rope]`` stored apart."""
+        return self._attend_absorbed(q, latent_cache, slots, False, rope_cache)[0]

@@ -367,11 +367,10 @@ def _layer_step(
     layer's positions of this step."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
-    p = attn.project(h, plan.cos, plan.sin)
+    step = attn.prolog(h, plan.cos, plan.sin)
     latent, rope, keys = cache.latent[index], cache.rope[index], cache.index_keys[index]
-    width = latent.shape[1]
-    latent[plan.new_slots] = p.latent[:, :width].to(latent.dtype)
-    rope[plan.new_slots] = p.latent[:, width:].to(rope.dtype)
+    latent[plan.new_slots] = step.latent.to(latent.dtype)
+    rope[plan.new_slots] = step.k_rope.to(rope.dtype)
     if attn.indexer is None:
         picked = shared
     else:
@@ -382,7 +381,7 @@ def _layer_step(
         # ties break by position exactly as in the uncached forward.
         picked = attn.indexer.select(
             h,
-            p.q_res,
+            step.q_res,
             plan.cos,
             plan.sin,
             plan.paged(keys),
@@ -391,7 +390,7 @@ def _layer_step(
             plan.widths,
             plan.block_table,
         )
-    x = x + attn.attend_latent(p, latent, plan.physical(picked), rope)
+    x = x + attn.attend_latent(step.q, latent, plan.physical(picked), rope)
     return x + layer.mlp(layer.post_attention_layernorm(x)), picked
 
 

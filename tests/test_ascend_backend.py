@@ -94,6 +94,7 @@ def _fake_torch_npu(monkeypatch, soc: str, *, available: bool = True, lacks: tup
         if name not in lacks:
             setattr(fake, name, getattr(emulator, name))
     device = types.SimpleNamespace(is_available=lambda: available, get_device_name=lambda: soc)
+    fake.npu = device  # torch_npu.npu is the module torch.npu names
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(torch, "npu", device, raising=False)
     # The start-up check's tensors: the stand-in's ops are the emulator's (CPU).
@@ -179,6 +180,7 @@ NPU_CALLS = {
     "quant_gemm": {"npu_quant_matmul", "npu_weight_quant_batchmatmul"},
     "rms_norm": {"npu_rms_norm"},
     "rope": {"npu_rotary_mul"},
+    "mla_prolog": {"npu_mla_prolog_v3", "npu_format_cast"},
 }
 COMPONENT_CALLS = {
     "expert_parallel": {"npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"},

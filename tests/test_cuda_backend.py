@@ -39,6 +39,7 @@ FAMILY = {
     "rms_norm": "norm_rope",
     "rope": "norm_rope",
     "token_logprobs": "logprobs",
+    "mla_prolog": "mla",
 }
 PACKAGE = "glmport.backends.cuda"
 

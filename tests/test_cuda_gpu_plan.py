@@ -38,6 +38,7 @@ KERNEL_OPS = {
     "norm_rope._rope_kernel": ("rope",),
     "logprobs._vocab_stats_kernel": ("token_logprobs",),
     "logprobs._combine_kernel": ("token_logprobs",),
+    "mla._prolog_rows_kernel": ("mla_prolog",),
 }
 # Config counts as the kernels declare them (the test below checks they agree), so
 # that every (kernel, config) pair is its own test for pytest-xdist to spread.
@@ -56,6 +57,7 @@ CONFIG_COUNTS = {
     "norm_rope._rope_kernel": 3,
     "logprobs._vocab_stats_kernel": 4,
     "logprobs._combine_kernel": 1,
+    "mla._prolog_rows_kernel": 3,
 }
 VALUE_CHECKS = [c for c in suite_checks() if c.kind == "value" and c.case.layout is None]
 GLM5_CHECKS = [c for c in VALUE_CHECKS if c.case.family == "glm5"]
@@ -64,7 +66,7 @@ GLM5_CHECKS = [c for c in VALUE_CHECKS if c.case.family == "glm5"]
 @pytest.fixture
 def runtime(cuda_module):
     """The kernels' runtime with every kernel module imported (all tuned kernels known)."""
-    for name in ("attention", "indexer", "quant", "gemm", "moe", "norm_rope", "logprobs"):
+    for name in ("attention", "indexer", "quant", "gemm", "moe", "norm_rope", "logprobs", "mla"):
         cuda_module(name)
     return cuda_module("runtime")
 

@@ -41,6 +41,8 @@ VALUE_CASES = (
     "rope-tiny_half-float16",
     "rope-tiny_interleaved-float32",
     "token_logprobs-t1-bfloat16",
+    "mla_prolog-tiny-bfloat16",
+    "mla_prolog-t0-float32",
 )
 
 

@@ -343,6 +343,35 @@ def build_token_logprobs(d: Draw):
     return _finish(d, "token_logprobs", args, dtype)
 
 
+def build_mla_prolog(d: Draw):
+    """Mostly npu_mla_prolog_v3's documented widths (DeepSeek-V3.2's), a few small ones
+    (the fallback)."""
+    inside = d.pick((True, True, True, False))
+    dtype = torch.bfloat16 if inside else d.pick(FLOATS)
+    hidden, q_lora, nope, kv_lora, rope = (
+        (7168, 1536, 128, 512, 64) if inside else (24, 16, 8, 12, 4)
+    )
+    t, heads = d.int(0, 3), d.pick((1, 2))
+
+    def weight(*shape: int) -> torch.Tensor:
+        return d.randn(*shape, dtype=dtype, scale=shape[-1] ** -0.5)
+
+    angle = d.randn(t, rope // 2, scale=3.0)
+    args = {
+        "x": d.randn(t, hidden, dtype=dtype),
+        "w_dq": weight(q_lora, hidden),
+        "gamma_cq": (1 + d.randn(q_lora, scale=0.1)).to(dtype),
+        "w_uq": weight(heads * (nope + rope), q_lora),
+        "w_uk": weight(heads, nope, kv_lora),
+        "w_dkv": weight(kv_lora + rope, hidden),
+        "gamma_ckv": (1 + d.randn(kv_lora, scale=0.1)).to(dtype),
+        "cos": angle.cos(),
+        "sin": angle.sin(),
+        "eps": 1e-6,
+    }
+    return _finish(d, "mla_prolog", args, dtype)
+
+
 BUILDERS = {
     "lightning_indexer": build_lightning_indexer,
     "indexer_logits": build_indexer_logits,
@@ -356,6 +385,7 @@ BUILDERS = {
     "rms_norm": build_rms_norm,
     "rope": build_rope,
     "token_logprobs": build_token_logprobs,
+    "mla_prolog": build_mla_prolog,
 }
 
 

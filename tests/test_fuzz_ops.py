@@ -274,6 +274,40 @@ def build_rope(d: Draw) -> Call:
     return _finish("rope", d, args, dtype, ROPE_BADS)
 
 
+MLA_EDGES = ("edge:T=0", "edge:tiny")
+MLA_BADS: dict[str, Bad] = {
+    "bad:w_uq_rows": ("w_uq", lambda a, d: a["w_uq"][:-1], ()),
+    "bad:x_int": ("x", lambda a, d: a["x"].to(torch.int32), ()),
+    "bad:cos_bf16": ("cos", lambda a, d: a["cos"].bfloat16(), ()),
+    "bad:w_uk_meta": ("w_uk", lambda a, d: _meta(a["w_uk"]), ()),
+}
+
+
+def build_mla_prolog(d: Draw) -> Call:
+    dtype = d.pick(FLOATS)
+    t = 0 if d.is_("edge:T=0") else d.int(1, 4)
+    hidden, q_lora, heads = d.int(1, 24), d.int(1, 16), d.int(1, 3)
+    nope, kv_lora, rope = d.int(1, 8), d.int(1, 12), 2 * d.int(1, 4)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return d.randn(*shape, dtype=dtype, scale=shape[-1] ** -0.5)
+
+    angle = d.randn(t, rope // 2, scale=3.0)
+    args = {
+        "x": d.randn(t, hidden, dtype=dtype, scale=_scale_of(d, dtype)),
+        "w_dq": weight(q_lora, hidden),
+        "gamma_cq": d.randn(q_lora, dtype=dtype),
+        "w_uq": weight(heads * (nope + rope), q_lora),
+        "w_uk": weight(heads, nope, kv_lora),
+        "w_dkv": weight(kv_lora + rope, hidden),
+        "gamma_ckv": d.randn(kv_lora, dtype=dtype),
+        "cos": angle.cos(),
+        "sin": angle.sin(),
+        "eps": d.pick((1e-6, 1e-5)),
+    }
+    return _finish("mla_prolog", d, args, dtype, MLA_BADS)
+
+
 LOGP_EDGES = (
     "edge:T=0", "edge:V=1", "edge:temp_tiny", "edge:temp_huge", "edge:huge_logits",
     "edge:temperatures", "edge:near_max",
@@ -731,6 +765,7 @@ BUILDERS: dict[str, tuple[Callable[[Draw], Call], tuple[str, ...], dict[str, Bad
     "rms_norm": (build_rms_norm, RMS_EDGES, RMS_BADS),
     "rope": (build_rope, ROPE_EDGES, ROPE_BADS),
     "token_logprobs": (build_token_logprobs, LOGP_EDGES, LOGP_BADS),
+    "mla_prolog": (build_mla_prolog, MLA_EDGES, MLA_BADS),
 }
 CLASSES = [
     (op, label) for op, (_, edges, bads) in BUILDERS.items() for label in ("ok", *edges, *bads)

@@ -168,7 +168,7 @@ TVM_LAYOUT_ARGS = {
     "sparse_attention": "indices", "lightning_indexer": "k_end", "indexer_logits": "k_start",
     "moe_gate": "bias", "moe_dispatch": "ids", "moe_combine": "src_row",
     "grouped_gemm": "expert_offsets", "quantize": "x", "quant_gemm": "w_scale",
-    "rms_norm": "weight", "rope": "cos", "token_logprobs": "targets",
+    "rms_norm": "weight", "rope": "cos", "token_logprobs": "targets", "mla_prolog": "cos",
 }  # fmt: skip
 TVM_CHECKS = [
     c for c in LAYOUT_CHECKS

@@ -154,12 +154,12 @@ def test_absorbed_attention_after_quantisation() -> None:
     h = torch.randn(batch.ids.shape[0], 64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full, _ = attn(h, batch, cos, sin)
-        p = attn.project(h, cos, sin)
+        step = attn.prolog(h, cos, sin)
         keys = attn.indexer.keys(h, cos, sin)
         slots = attn.indexer.select(
-            h, p.q_res, cos, sin, keys, batch.k_start, batch.k_end, batch.widths
+            h, step.q_res, cos, sin, keys, batch.k_start, batch.k_end, batch.widths
         )
-        absorbed = attn.attend_latent(p, p.latent, slots)
+        absorbed = attn.attend_latent(step.q, torch.cat((step.latent, step.k_rope), -1), slots)
     torch.testing.assert_close(absorbed, full, rtol=1e-4, atol=1e-6)
 
 

@@ -37,6 +37,7 @@ SAMPLE = (
     "rms_norm.weight_ignored",
     "rope.layout_swapped",
     "token_logprobs.ignores_stride_targets",
+    "mla_prolog.heads_reversed_in_absorption",
 )
 
 

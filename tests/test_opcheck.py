@@ -33,6 +33,16 @@ def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
     return torch.randn(*shape, generator=g).to(dtype)
 
 
+def _mla_prolog(dtype: torch.dtype) -> tuple:
+    """hidden D, q_lora 6, 2 heads of nope 4, kv_lora 5, rope 4."""
+    return (
+        _rand(T, D, dtype=dtype), _rand(6, D, dtype=dtype, seed=1), _rand(6, dtype=dtype, seed=2),
+        _rand(2 * 8, 6, dtype=dtype, seed=3), _rand(2, 4, 5, dtype=dtype, seed=4),
+        _rand(5 + 4, D, dtype=dtype, seed=5), _rand(5, dtype=dtype, seed=6),
+        _rand(T, 2, seed=7), _rand(T, 2, seed=8), 1e-6,
+    )  # fmt: skip
+
+
 def _i32(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
@@ -205,6 +215,8 @@ SAMPLES: list[Sample] = [
         "rms_norm",
         lambda: (_rand(T, 2, D, dtype=BF16), _rand(D, seed=1), 1e-5),
     ),
+    Sample("mla_prolog-fp32", "mla_prolog", lambda: _mla_prolog(torch.float32)),
+    Sample("mla_prolog-bf16", "mla_prolog", lambda: _mla_prolog(BF16)),
     *(
         Sample(
             f"rope-{'interleaved' if il else 'half_split'}",
@@ -302,6 +314,7 @@ BAD_SHAPES: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
     "rms_norm": ("weight", lambda w: torch.cat([w, w[:1]])),
     "rope": ("cos", lambda c: c[:-1]),
     "token_logprobs": ("targets", lambda t: t[:-1]),
+    "mla_prolog": ("gamma_ckv", lambda g: torch.cat([g, g[:1]])),
 }
 
 

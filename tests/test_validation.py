@@ -159,6 +159,22 @@ def _rope() -> dict:
     }
 
 
+def _mla_prolog() -> dict:
+    """hidden D, q_lora 6, 2 heads of nope 4, kv_lora 5, rope 4."""
+    return {
+        "x": _rand(T, D),
+        "w_dq": _rand(6, D, seed=1),
+        "gamma_cq": _rand(6, seed=2),
+        "w_uq": _rand(2 * 8, 6, seed=3),
+        "w_uk": _rand(2, 4, 5, seed=4),
+        "w_dkv": _rand(5 + 4, D, seed=5),
+        "gamma_ckv": _rand(5, seed=6),
+        "cos": _rand(T, 2, seed=7),
+        "sin": _rand(T, 2, seed=8),
+        "eps": 1e-6,
+    }
+
+
 def _token_logprobs() -> dict:
     return {
         "hidden": _rand(T, D),
@@ -191,6 +207,7 @@ GOOD: dict[str, tuple[str, Callable[[], dict]]] = {
     "quant_gemm_fp8_block": ("quant_gemm", _quant_gemm_packed("fp8_block")),
     "rms_norm": ("rms_norm", _rms_norm),
     "rope": ("rope", _rope),
+    "mla_prolog": ("mla_prolog", _mla_prolog),
     "token_logprobs": ("token_logprobs", _token_logprobs),
     "quantize_weight": ("quantize_weight", _quantize_weight),
 }
@@ -933,6 +950,37 @@ CASES: list[Case] = [
     *_scalar_cases("rms_norm", "eps"),
     Case("rms-weight_on_meta", "rms_norm", meta("weight"), "weight", ("meta",)),
     Case("rms-x_list", "rms_norm", put(x=[1.0] * D), "x", ("torch.Tensor", "list")),
+    # -- mla_prolog -----------------------------------------------------------------
+    Case("mla-x_3d", "mla_prolog", put(x=_rand(T, 1, D)), "x", ("2-D",)),
+    Case("mla-x_dtype", "mla_prolog", put(x=lambda a: a["x"].long()), "x", ("int64",)),
+    Case("mla-w_dq_width", "mla_prolog", put(w_dq=_rand(6, D + 1)), "w_dq", ("hidden=8", "[6, 9]")),
+    Case(
+        "mla-w_dq_dtype",
+        "mla_prolog",
+        put(w_dq=lambda a: a["w_dq"].bfloat16()),
+        "w_dq",
+        ("float32", "bfloat16"),
+    ),
+    Case("mla-gamma_cq_shape", "mla_prolog", put(gamma_cq=_rand(5)), "gamma_cq", ("q_lora=6",)),
+    Case(
+        "mla-w_uq_rows",
+        "mla_prolog",
+        put(w_uq=_rand(2 * 7, 6)),
+        "w_uq",
+        ("heads * (nope + rope)=16", "[14, 6]"),
+    ),
+    Case("mla-w_uk_rank", "mla_prolog", put(w_uk=_rand(2, 20)), "w_uk", ("3-D",)),
+    Case(
+        "mla-w_dkv_rows", "mla_prolog", put(w_dkv=_rand(5 + 3, D)), "w_dkv", ("kv_lora + rope=9",)
+    ),
+    Case("mla-gamma_ckv_shape", "mla_prolog", put(gamma_ckv=_rand(4)), "gamma_ckv", ("kv_lora=5",)),
+    Case("mla-cos_tokens", "mla_prolog", put(cos=_rand(T + 1, 2)), "cos", ("T=3",)),
+    Case(
+        "mla-cos_empty", "mla_prolog", put(cos=_rand(T, 0), sin=_rand(T, 0)), "cos", ("rope >= 2",)
+    ),
+    Case("mla-sin_dtype", "mla_prolog", put(sin=lambda a: a["sin"].double()), "sin", ("float64",)),
+    *_scalar_cases("mla_prolog", "eps"),
+    Case("mla-w_uk_on_meta", "mla_prolog", meta("w_uk"), "w_uk", ("meta",)),
     # -- rope -----------------------------------------------------------------------
     Case("rope-x_1d", "rope", put(x=_rand(D)), "x", ("at least 2-D", "1-D")),
     Case("rope-x_dtype", "rope", put(x=lambda a: a["x"].int()), "x", ("int32",)),
@@ -1042,6 +1090,15 @@ META_CASES = [c for c in CASES if not c.value]
 STRICT_CASES: list[Case] = [
     Case("rope-sin_inf", "rope", poke("sin", (2, 3), INF), "sin", ("finite",), value=True),
     Case("rope-cos_nan", "rope", poke("cos", (1, 1), NAN), "cos", ("finite",), value=True),
+    Case("mla-sin_inf", "mla_prolog", poke("sin", (0, 1), INF), "sin", ("finite",), value=True),
+    Case(
+        "mla-x_overflow",
+        "mla_prolog",
+        put(x=lambda a: a["x"] * 1e19),
+        "x",
+        ("float32 range", "sum of squares"),
+        value=True,
+    ),
     Case("li-k_inf", "lightning_indexer", poke("k", (2, 3), INF), "k", ("finite",), value=True),
     Case("li-k_nan", "lightning_indexer", poke("k", (0, 0), NAN), "k", ("finite",), value=True),
     Case("il-k_inf", "indexer_logits", poke("k", (1, 1), -INF), "k", ("finite",), value=True),

@@ -2,7 +2,7 @@
 Huawei Ascend NPUs (Atlas A2 / A3), and a CPU emulator of those ops' contracts.
 
 Each adapter (one module per op family: ``indexer``, ``attention``, ``moe``, ``gemm``,
-``norm_rope``; ``ep`` for expert parallelism over the MC2 pair) converts glmport's
+``norm_rope``, ``mla``; ``ep`` for expert parallelism over the MC2 pair) converts glmport's
 packed layouts and conventions into the vendor op's own (TND / BSND / PA_BSND layouts
 with cumulative sequence lengths, softmax max / sum instead of a log-sum-exp, int4
 packed eight to an int32) and back.
@@ -67,6 +67,7 @@ class AscendBackend(Backend):
             "quant_gemm",
             "rms_norm",
             "rope",
+            "mla_prolog",
             "expert_parallel",
         ),
         # The torch_npu ops' documented limits on Atlas A2 / A3 (sources in each
@@ -107,6 +108,17 @@ class AscendBackend(Backend):
                 in_features=range(1, 65536),
             ),
             "rope": Capability(rope_dim=range(2, 896, 2)),
+            # npu_mla_prolog_v3's page: DeepSeek-V3.2's widths only (GLM-5's hidden 6144,
+            # q_lora 2048 and nope 192 run on generic).
+            "mla_prolog": Capability(
+                dtype=torch.bfloat16,
+                hidden=(7168, 7680),
+                q_lora=1536,
+                q_heads=(1, 2, 4, 8, 16, 32, 64, 128),
+                head_dim=128,
+                kv_lora=512,
+                rope_dim=64,
+            ),
         },
         priority=30,
         emulation=EMULATED,
@@ -168,7 +180,7 @@ class AscendBackend(Backend):
         )
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
-        from . import attention, ep, gemm, indexer, moe, norm_rope
+        from . import attention, ep, gemm, indexer, mla, moe, norm_rope
         from .profile import detect_profile
 
         npu = torch_npu_namespace(emulate)
@@ -187,6 +199,7 @@ class AscendBackend(Backend):
             "quant_gemm:prepared": gemm.quant_gemm_prepared,
             "rms_norm": norm_rope.rms_norm,
             "rope": norm_rope.rope,
+            "mla_prolog": functools.partial(mla.mla_prolog, profile=profile),
         }
         kernels = {name: functools.partial(adapter, npu) for name, adapter in adapters.items()}
         comm_name = npu.hccl_comm_name if emulate else ep.hccl_comm_name

@@ -14,7 +14,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from .chips import indexer_takes_any_heads
+from .chips import chip_generation, indexer_takes_any_heads
 
 BATCH, GLOBAL = "batch", "global"
 # The lightning indexer's query heads on builds documenting exactly 64.
@@ -34,11 +34,15 @@ class NpuProfile:
         indexer_positions: what ``sparse_indices`` count from in a multi-batch TND
             call (undocumented): ``"batch"`` (each batch's own keys) or ``"global"``
             (the whole key tensor).
+        generation: the chip's (``"A2"``, ``"A3"``: :func:`.chips.chip_generation` of
+            the SoC name ``torch_npu.npu.get_device_name()`` reports); ops documented
+            for one generation only (``npu_mla_prolog_v3``: A3) read it.
     """
 
     version: str = "unknown"
     indexer_any_heads: bool = True
     indexer_positions: str = BATCH
+    generation: str | None = "A3"
 
     def describe(self) -> str:
         heads = "N1 <= 64, fp32 weights" if self.indexer_any_heads else "N1 = 64 only"
@@ -98,4 +102,5 @@ def detect_profile(npu: ModuleType | SimpleNamespace, device: torch.device) -> N
         version=version,
         indexer_any_heads=indexer_takes_any_heads(version),
         indexer_positions=indexer_positions(npu, device),
+        generation=chip_generation(npu.npu.get_device_name()),
     )

@@ -30,7 +30,7 @@ class CpuBackend(Backend):
     )
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
-        from . import attention, ep, indexer, logprobs, moe, norm_rope, quant
+        from . import attention, ep, indexer, logprobs, mla, moe, norm_rope, quant
 
         return {
             "lightning_indexer": indexer.lightning_indexer,
@@ -44,6 +44,7 @@ class CpuBackend(Backend):
             "quant_gemm": quant.quant_gemm,
             "rms_norm": norm_rope.rms_norm,
             "rope": norm_rope.rope,
+            "mla_prolog": mla.mla_prolog,
             "token_logprobs": logprobs.token_logprobs,
             "expert_parallel": ep.GatherExpertParallel,
         }

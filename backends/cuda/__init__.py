@@ -2,10 +2,11 @@
 
 Every op is a ``@triton.jit`` kernel written for the hardware (one file per op family:
 ``attention``, ``indexer``, ``gemm`` with ``quant``, ``moe``, ``norm_rope``,
-``logprobs``); ``runtime`` holds what they share. On a GPU the kernels autotune over a
-small config space; with ``GLMPORT_EMULATE=1`` exactly the same kernels run on CPU
-tensors through Triton's interpreter, with fixed large blocks, so the backend can be
-developed and judged without a GPU.
+``logprobs``; ``mla``'s prolog is cuBLAS GEMMs around one kernel); ``runtime`` holds
+what they share. On a GPU the kernels autotune over a small config space; with
+``GLMPORT_EMULATE=1`` exactly the same kernels run on CPU tensors through Triton's
+interpreter, with fixed large blocks, so the backend can be developed and judged
+without a GPU.
 
 Backward passes: ``sparse_attention`` and ``token_logprobs`` use the generic
 backend's closed-form chunked backward (the dispatcher's fallback for a missing
@@ -49,6 +50,7 @@ class CudaBackend(Backend):
             "rms_norm",
             "rope",
             "token_logprobs",
+            "mla_prolog",
         ),
         # Limits where a kernel's on-chip tiles stop fitting a GPU (shared memory,
         # registers, compile time of the unrolled sort network); calls beyond them fall
@@ -60,6 +62,8 @@ class CudaBackend(Backend):
             "indexer_logits": Capability(q_heads=range(1, 129), head_dim=range(1, 257)),
             "sparse_attention": Capability(v_head_dim=range(0, 1025)),
             "moe_gate": Capability(experts=range(1, 262145)),
+            # The prolog kernel holds a token's latent rows whole.
+            "mla_prolog": Capability(q_lora=range(0, 8193), kv_lora=range(0, 8193)),
         },
         priority=30,
         emulation="Triton interpreter (TRITON_INTERPRET=1) on CPU tensors",
@@ -103,7 +107,7 @@ class CudaBackend(Backend):
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
         # probe() ran first: under emulation TRITON_INTERPRET is set and triton imported
         # interpreted, so the kernels below are defined interpreted too.
-        from . import attention, gemm, indexer, logprobs, moe, norm_rope, quant
+        from . import attention, gemm, indexer, logprobs, mla, moe, norm_rope, quant
 
         return {
             "lightning_indexer": indexer.lightning_indexer,
@@ -117,6 +121,7 @@ class CudaBackend(Backend):
             "quant_gemm": gemm.quant_gemm,
             "rms_norm": norm_rope.rms_norm,
             "rope": norm_rope.rope,
+            "mla_prolog": mla.mla_prolog,
             "token_logprobs": logprobs.token_logprobs,
         }
 

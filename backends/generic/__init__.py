@@ -31,7 +31,7 @@ class GenericBackend(Backend):
     )
 
     def load_kernels(self, emulate: bool) -> Mapping[str, Kernel]:
-        from . import attention, ep, indexer, logprobs, moe, norm_rope, quant
+        from . import attention, ep, indexer, logprobs, mla, moe, norm_rope, quant
 
         return {
             "lightning_indexer": indexer.lightning_indexer,
@@ -48,6 +48,7 @@ class GenericBackend(Backend):
             "quant_gemm:prepared": quant.quant_gemm_prepared,
             "rms_norm": norm_rope.rms_norm,
             "rope": norm_rope.rope,
+            "mla_prolog": mla.mla_prolog,
             "token_logprobs": logprobs.token_logprobs,
             "token_logprobs:backward": logprobs.token_logprobs_backward,
             "expert_parallel": ep.AllToAllExpertParallel,

@@ -2,7 +2,7 @@
 builder of the op's arguments (schema order, CPU tensors).
 
 One module per op family (``attention``, ``indexer``, ``moe``, ``quant``,
-``norm_rope``, ``logprobs``), the machinery they share in ``base`` (:class:`~.base.Case`),
+``norm_rope``, ``logprobs``, ``mla``), the machinery they share in ``base`` (:class:`~.base.Case`),
 and two families made from the others' calls: ``layout`` and ``magnitude``.
 
 Families: ``tiny``; ``glm5`` (GLM-5's real head counts and widths where affordable:
@@ -22,6 +22,7 @@ from .indexer import indexer_cases
 from .layout import layout_cases
 from .logprobs import logprob_cases
 from .magnitude import magnitude_cases
+from .mla import mla_cases
 from .moe import moe_cases
 from .norm_rope import norm_rope_cases
 from .quant import quant_cases
@@ -36,6 +37,7 @@ def all_cases(*, full: bool = False, ops: tuple[str, ...] | None = None) -> list
         *quant_cases(),
         *norm_rope_cases(),
         *logprob_cases(),
+        *mla_cases(),
     ]
     wanted = [c for c in cases if ops is None or c.op in ops]
     wanted += magnitude_cases(wanted, full=full)

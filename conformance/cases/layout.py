@@ -36,6 +36,7 @@ LAYOUT_BASES = (
     ("rope", "tiny_interleaved"),
     ("rope", "tiny_half"),
     ("token_logprobs", "tiny"),
+    ("mla_prolog", "tiny"),
 )
 
 

@@ -36,6 +36,9 @@ MAGNITUDES: dict[str, tuple[dict[str, float], ...]] = {
     "rms_norm": ({"x": 1e-30}, {"weight": 1e30}),
     "rope": ({"x": 1e30}, {"x": 1e-30}),
     "token_logprobs": ({"hidden": 1e-30, "lm_head": 1e30}, {"hidden": 1e-30}),
+    # Tiny rows (the norms' eps dominates), and gains far from 1 on both norms. (A huge
+    # x is refused: its projected rows' sums of squares leave float32.)
+    "mla_prolog": ({"x": 1e-30}, {"gamma_cq": 1e30, "gamma_ckv": 1e-30}),
 }
 
 
@@ -69,6 +72,7 @@ MAGNITUDE_BASES = (
     ("rms_norm", "tiny"),
     ("rope", "tiny_half"),
     ("token_logprobs", "tiny"),
+    ("mla_prolog", "tiny"),
 )
 
 

@@ -18,7 +18,7 @@ reports the kill rate (:mod:`..mutation_report`).
 from __future__ import annotations
 
 # Each module fills LIBRARY as it is imported.
-from . import attention, every_op, gemm, indexer, logprobs, moe, norm_rope, quantize  # noqa: F401
+from . import attention, every_op, gemm, indexer, logprobs, mla, moe, norm_rope, quantize  # noqa: F401
 from .base import LIBRARY, Mutant, identity
 
 __all__ = ["LIBRARY", "Mutant", "identity"]

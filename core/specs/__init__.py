@@ -12,6 +12,7 @@ from .attention import SPARSE_ATTENTION
 from .base import OpSpec
 from .indexer import INDEXER_LOGITS, LIGHTNING_INDEXER
 from .logprobs import TOKEN_LOGPROBS
+from .mla import MLA_PROLOG
 from .moe import GROUPED_GEMM, MOE_COMBINE, MOE_DISPATCH, MOE_GATE
 from .norm_rope import RMS_NORM, ROPE
 from .quant import QUANT_GEMM, QUANTIZE
@@ -31,6 +32,7 @@ SPECS: dict[str, OpSpec] = {
         RMS_NORM,
         ROPE,
         TOKEN_LOGPROBS,
+        MLA_PROLOG,
     )
 }
 OP_NAMES: tuple[str, ...] = tuple(SPECS)

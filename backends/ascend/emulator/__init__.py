@@ -24,6 +24,7 @@ from .gemm import (
 from .grouped_gemm import npu_grouped_matmul
 from .indexer import npu_lightning_indexer
 from .mc2 import hccl_comm_name, npu_moe_distribute_combine_v2, npu_moe_distribute_dispatch_v2
+from .mla import npu_format_cast, npu_mla_prolog_v3
 from .moe import npu_moe_gating_top_k, npu_moe_init_routing_v2, npu_moe_token_unpermute
 from .norm_rope import npu_rms_norm, npu_rotary_mul
 
@@ -35,8 +36,10 @@ __all__ = [
     "hccl_comm_name",
     "npu",
     "npu_convert_weight_to_int4pack",
+    "npu_format_cast",
     "npu_grouped_matmul",
     "npu_lightning_indexer",
+    "npu_mla_prolog_v3",
     "npu_moe_distribute_combine_v2",
     "npu_moe_distribute_dispatch_v2",
     "npu_moe_gating_top_k",

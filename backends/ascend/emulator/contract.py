@@ -15,6 +15,14 @@ class NpuContractError(RuntimeError):
     naming the op, the argument and the documented constraint."""
 
 
+def unwritten(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor standing for output memory the op does not write: NaN for floating
+    dtypes and the dtype's minimum for integer ones, so a caller that reads it is caught."""
+    if dtype.is_floating_point:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype)
+    return torch.full(tuple(shape), torch.iinfo(dtype).min, dtype=dtype)
+
+
 def require(ok: bool, op: str, message: str) -> None:
     """Raise :class:`NpuContractError` ``"<op>: <message>"`` unless ``ok``."""
     if not ok:

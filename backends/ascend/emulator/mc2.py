@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from ..chips import chip_generation, mc2_takes_any_width
 from .build import current_build
-from .contract import require
-from .moe import _unwritten
+from .contract import require, unwritten
 
 _HALF = (torch.bfloat16, torch.float16)
 _MAX_BS = 512  # A3
@@ -244,13 +243,13 @@ def npu_moe_distribute_dispatch_v2(
     by_expert = torch.sort(meta[:, 0], stable=True).indices
     n = rows.shape[0]
     require(n <= capacity, op, f"{n} rows exceed A = {capacity}")
-    expand_x = _unwritten((capacity, h), x.dtype)
+    expand_x = unwritten((capacity, h), x.dtype)
     expand_x[:n] = rows[by_expert]
     local_expert = meta[by_expert, 0] - ep_rank_id * local
     per_expert = torch.bincount(local_expert, minlength=local)
     expert_token_nums = per_expert if expert_token_nums_type == 1 else per_expert.cumsum(0)
     per_source = torch.bincount(local_expert * world + src[by_expert], minlength=local * world)
-    assist = _unwritten((capacity, _ASSIST_COLUMNS), torch.int32)
+    assist = unwritten((capacity, _ASSIST_COLUMNS), torch.int32)
     assist[:n, 0] = src[by_expert].to(torch.int32)
     assist[:n, 1:3] = meta[by_expert, 1:3].to(torch.int32)
     tp_recv_counts = torch.zeros(max(tp_world_size, 0), dtype=torch.int32)

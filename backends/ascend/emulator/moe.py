@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .contract import require
+from .contract import require, unwritten
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -35,13 +35,6 @@ _ROUTING_MAX_EXPERTS = 10240
 _ROUTING_MAX_EXPERTS_KEY_VALUE = 5120
 # Every quant_mode the page lists (-1 no quantisation; the others quantise expanded_x).
 _QUANT_MODES = (-1, 0, 1, 2, 3, 6, 7, 8, 9, 11, 12, 13, 16, 17)
-
-
-def _unwritten(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor standing for output memory the op does not write."""
-    if dtype.is_floating_point:
-        return torch.full(tuple(shape), float("nan"), dtype=dtype)
-    return torch.full(tuple(shape), torch.iinfo(dtype).min, dtype=dtype)
 
 
 # -- npu_moe_gating_top_k -----------------------------------------------------------
@@ -145,7 +138,7 @@ def npu_moe_gating_top_k(
     if norm_type == 1:
         y = y / (y.sum(dim=-1, keepdim=True) + eps)
     y = y * routed_scaling_factor
-    out = norm_out if out_flag else _unwritten((t, e), torch.float32)
+    out = norm_out if out_flag else unwritten((t, e), torch.float32)
     return y.to(x.dtype), expert_idx.to(torch.int32), out
 
 
@@ -283,13 +276,13 @@ def npu_moe_init_routing_v2(
         n_out = total if active_num in (-1, 0) else min(active_num, total)
         n_valid = min(n_out, available)
         src = order[:n_valid]
-        expanded_x = _unwritten((n_out, x.shape[1]), x.dtype)
+        expanded_x = unwritten((n_out, x.shape[1]), x.dtype)
         expanded_x[:n_valid] = x[src // k]
-        expanded_scale = _unwritten((n_out,), torch.float32)
+        expanded_scale = unwritten((n_out,), torch.float32)
         if scale is not None:
             expanded_scale[:n_valid] = scale[src // k]
         if row_idx_type == 1:
-            expanded_row_idx = _unwritten((total,), torch.int32)
+            expanded_row_idx = unwritten((total,), torch.int32)
             expanded_row_idx[:available] = order[:available].to(torch.int32)
         else:
             expanded_row_idx = torch.full((total,), -1, dtype=torch.int32)
@@ -312,7 +305,7 @@ def npu_moe_init_routing_v2(
 
     if not expert_tokens_num_flag:
         shape = (expert_num, 2) if expert_tokens_num_type == 2 else (end - start,)
-        tokens = _unwritten(shape, torch.int64)
+        tokens = unwritten(shape, torch.int64)
     elif expert_tokens_num_type == 0 and drop_pad_mode == 0:
         tokens = counts.cumsum(0)
     elif expert_tokens_num_type == 2 and drop_pad_mode == 0:

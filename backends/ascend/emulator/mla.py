@@ -1,0 +1,204 @@
+"""CPU emulation of torch_npu's MLA prolog, ``npu_mla_prolog_v3`` (MLAPO), and of
+``npu_format_cast``, which its weights go through.
+
+Page: Ascend/op-plugin ``docs/context/torch_npu-npu_mla_prolog_v3.md`` (read 2026-12):
+the non-quantised scenario (``weight_quant_mode`` / ``kv_cache_quant_mode`` /
+``query_quant_mode`` 0) with the key rows written into paged (``"PA_BSND"``) or token
+(``"TND"``) caches; the quantised scenarios, the other cache modes and the scale
+corrections are refused by name as not emulated. Shapes as documented (DeepSeek-V3.2's
+widths): He 7168 or 7680, Hcq 1536, N in 1, 2, 4 ... 128, D 128, Dr 64, Hckv 512,
+bfloat16 throughout, contiguous inputs.
+
+What the page leaves open, and this emulator assumes (the adapter assumes the same;
+an NPU run of ``bench/ascend_backend.py`` confirms or refutes it): ``weight_uq_qr``'s
+columns hold each head's ``D`` query columns then its ``Dr`` rope columns (DeepSeek's
+``wq_b`` layout, transposed); rope rotates interleaved pairs ``(2i, 2i + 1)`` (the MLA
+rope of DeepSeek-V3.2), with ``rope_cos`` / ``rope_sin`` giving each pair's angle in
+both of its columns. Arithmetic is float32 with each named intermediate (``c^Q``,
+``q^C``, ``c^KV``, ``k^R``, the outputs) rounded to bfloat16. Weight formats are not
+modelled: ``npu_format_cast`` returns the tensor's contiguous copy whatever the format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import require
+
+_OP = "npu_mla_prolog_v3"
+_HE = (7168, 7680)
+_HCQ, _HCKV, _D, _DR = 1536, 512, 128, 64
+_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+_CACHE_MODES = ("PA_BSND", "TND")
+# aclFormat values: ND and FRACTAL_NZ.
+ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ = 2, 29
+
+
+def npu_format_cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
+    """``tensor`` in memory format ``acl_format`` (ND 2, FRACTAL_NZ 29): a contiguous
+    copy here, formats not being modelled."""
+    require(
+        acl_format in (ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ),
+        "npu_format_cast",
+        f"acl_format {acl_format} is not emulated (ND 2, FRACTAL_NZ 29)",
+    )
+    return tensor.contiguous().clone()
+
+
+def _bf16(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    require(
+        t.dtype == torch.bfloat16 and tuple(t.shape) == shape,
+        _OP,
+        f"{name} must be bfloat16 {list(shape)}, got {t.dtype} {list(t.shape)}",
+    )
+    require(t.is_contiguous(), _OP, f"{name} must be contiguous (不支持非连续)")
+
+
+def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).bfloat16()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs of float32 ``x [T, ..., Dr]`` rotated by ``cos`` / ``sin``
+    ``[T, Dr]`` (each pair's angle in both its columns), rounded to bfloat16."""
+    view = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
+    c, s = cos[:, 0::2].float().reshape(view), sin[:, 0::2].float().reshape(view)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).bfloat16()
+
+
+def npu_mla_prolog_v3(
+    token_x: torch.Tensor,
+    weight_dq: torch.Tensor,
+    weight_uq_qr: torch.Tensor,
+    weight_uk: torch.Tensor,
+    weight_dkv_kr: torch.Tensor,
+    rmsnorm_gamma_cq: torch.Tensor,
+    rmsnorm_gamma_ckv: torch.Tensor,
+    rope_sin: torch.Tensor,
+    rope_cos: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kr_cache: torch.Tensor,
+    cache_index: torch.Tensor | None = None,
+    dequant_scale_x: torch.Tensor | None = None,
+    dequant_scale_w_dq: torch.Tensor | None = None,
+    dequant_scale_w_uq_qr: torch.Tensor | None = None,
+    dequant_scale_w_dkv_kr: torch.Tensor | None = None,
+    quant_scale_ckv: torch.Tensor | None = None,
+    quant_scale_ckr: torch.Tensor | None = None,
+    smooth_scales_cq: torch.Tensor | None = None,
+    actual_seq_len: torch.Tensor | None = None,
+    k_nope_clip_alpha: torch.Tensor | None = None,
+    rmsnorm_epsilon_cq: float = 1e-05,
+    rmsnorm_epsilon_ckv: float = 1e-05,
+    cache_mode: str = "PA_BSND",
+    query_norm_flag: bool = False,
+    weight_quant_mode: int = 0,
+    kv_cache_quant_mode: int = 0,
+    query_quant_mode: int = 0,
+    ckvkr_repo_mode: int = 0,
+    quant_scale_repo_mode: int = 0,
+    tile_size: int = 128,
+    qc_qr_scale: float = 1.0,
+    kc_scale: float = 1.0,
+) -> tuple[torch.Tensor, ...]:
+    """MLA's preprocessing (see the module doc): returns ``(query [T, N, Hckv],
+    query_rope [T, N, Dr], dequant_scale_q_nope [0], query_norm [T, Hcq] (``[0]``
+    without ``query_norm_flag``), dequant_scale_q_norm [0])`` in bfloat16 (the scales
+    float32), and writes ``c^KV`` / ``k^R`` into ``kv_cache`` / ``kr_cache`` in place at
+    ``cache_index`` (``"PA_BSND"``: flat slots of ``[BlockNum, BlockSize, 1, D]``
+    caches) or row by row (``"TND"``: ``[T, 1, D]`` caches)."""
+    unset = {
+        "dequant_scale_x": dequant_scale_x,
+        "dequant_scale_w_dq": dequant_scale_w_dq,
+        "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr,
+        "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
+        "quant_scale_ckv": quant_scale_ckv,
+        "quant_scale_ckr": quant_scale_ckr,
+        "smooth_scales_cq": smooth_scales_cq,
+        "actual_seq_len": actual_seq_len,
+        "k_nope_clip_alpha": k_nope_clip_alpha,
+    }
+    for name, value in unset.items():
+        require(value is None, _OP, f"{name} (quantised scenarios) is not emulated")
+    modes = {
+        "weight_quant_mode": weight_quant_mode,
+        "kv_cache_quant_mode": kv_cache_quant_mode,
+        "query_quant_mode": query_quant_mode,
+        "ckvkr_repo_mode": ckvkr_repo_mode,
+        "quant_scale_repo_mode": quant_scale_repo_mode,
+    }
+    for name, value in modes.items():
+        require(value == 0, _OP, f"{name}={value} is not emulated (non-quantised only)")
+    require(
+        qc_qr_scale == 1.0 and kc_scale == 1.0,
+        _OP,
+        "qc_qr_scale / kc_scale other than 1.0 are not emulated",
+    )
+    require(cache_mode in _CACHE_MODES, _OP, f"cache_mode {cache_mode!r} is not emulated")
+    require(
+        token_x.dim() == 2 and token_x.shape[1] in _HE,
+        _OP,
+        f"token_x must be [T, He] with He in {_HE}, got {list(token_x.shape)}",
+    )
+    t, he = token_x.shape
+    require(
+        weight_uk.dim() == 3 and weight_uk.shape[0] in _HEADS,
+        _OP,
+        f"weight_uk must be [N, {_D}, {_HCKV}] with N in {_HEADS}, got {list(weight_uk.shape)}",
+    )
+    heads = weight_uk.shape[0]
+    _bf16("token_x", token_x, (t, he))
+    _bf16("weight_dq", weight_dq, (he, _HCQ))
+    _bf16("weight_uq_qr", weight_uq_qr, (_HCQ, heads * (_D + _DR)))
+    _bf16("weight_uk", weight_uk, (heads, _D, _HCKV))
+    _bf16("weight_dkv_kr", weight_dkv_kr, (he, _HCKV + _DR))
+    _bf16("rmsnorm_gamma_cq", rmsnorm_gamma_cq, (_HCQ,))
+    _bf16("rmsnorm_gamma_ckv", rmsnorm_gamma_ckv, (_HCKV,))
+    _bf16("rope_sin", rope_sin, (t, _DR))
+    _bf16("rope_cos", rope_cos, (t, _DR))
+    if cache_mode == "TND":
+        _bf16("kv_cache", kv_cache, (t, 1, _HCKV))
+        _bf16("kr_cache", kr_cache, (t, 1, _DR))
+        require(t > 0, _OP, "TND caches do not take T = 0 (不支持空Tensor)")
+        slots = torch.arange(t)
+    else:
+        require(
+            kv_cache.dim() == 4 and kv_cache.shape[1] in range(16, 1025, 16),
+            _OP,
+            f"kv_cache must be [BlockNum, BlockSize, 1, {_HCKV}] with BlockSize 16..1024 "
+            f"in steps of 16, got {list(kv_cache.shape)}",
+        )
+        blocks, block_size = kv_cache.shape[:2]
+        _bf16("kv_cache", kv_cache, (blocks, block_size, 1, _HCKV))
+        _bf16("kr_cache", kr_cache, (blocks, block_size, 1, _DR))
+        require(
+            cache_index is not None and cache_index.dtype == torch.int64,
+            _OP,
+            "cache_index must be an int64 [T] tensor in PA_BSND mode",
+        )
+        require(tuple(cache_index.shape) == (t,), _OP, f"cache_index must be [T={t}]")
+        require(
+            bool(((cache_index >= 0) & (cache_index < blocks * block_size)).all()),
+            _OP,
+            f"cache_index must lie in [0, BlockNum * BlockSize = {blocks * block_size})",
+        )
+        slots = cache_index
+    x = token_x.float()
+    c_q = (x @ weight_dq.float()).bfloat16()
+    query_norm = _rms(c_q.float(), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
+    q_c = (query_norm.float() @ weight_uq_qr.float()).bfloat16().view(t, heads, _D + _DR)
+    query = torch.einsum("thd,hdc->thc", q_c[..., :_D].float(), weight_uk.float()).bfloat16()
+    query_rope = _rope(q_c[..., _D:].float(), rope_cos, rope_sin)
+    kv = (x @ weight_dkv_kr.float()).bfloat16()
+    latent = _rms(kv[:, :_HCKV].float(), rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
+    kv_cache.view(-1, _HCKV)[slots] = latent
+    kr_cache.view(-1, _DR)[slots] = _rope(kv[:, _HCKV:].float(), rope_cos, rope_sin)
+    empty = torch.empty(0, dtype=torch.float32)
+    return (
+        query,
+        query_rope,
+        empty,
+        query_norm if query_norm_flag else torch.empty(0, dtype=torch.bfloat16),
+        empty.clone(),
+    )

@@ -1,0 +1,94 @@
+"""The MLA prolog (MLAPO) onto ``npu_mla_prolog_v3``, the fused preprocessing the
+GLM-5 report names beside the lightning indexer and sparse flash attention.
+
+Doc: Ascend/op-plugin ``docs/context/torch_npu-npu_mla_prolog_v3.md`` (read 2026-12).
+The page documents DeepSeek-V3.2's widths only (He 7168 / 7680, Hcq 1536, D 128, Dr 64,
+Hckv 512, bfloat16), declared as the backend's capability: GLM-5's (hidden 6144,
+q_lora 2048, nope 192) run on the generic backend until a torch_npu documents them.
+``_v3`` is the version that returns the normalised query latent (``query_norm``), which
+glmport's indexer reads; it is documented for Atlas A3 only, so an Atlas A2 runs the
+generic composite too (``npu_mla_prolog_v2`` lacks that output).
+
+Mapping: the nn.Linear weights ``[out, in]`` go in transposed, ``[in, out]``, through
+``npu_format_cast`` to FRACTAL_NZ as the page requires (a per-call conversion: glmport
+has no prepared-weight path for this op yet); the angles as ``[T, Dr]`` bfloat16 tables
+with each interleaved pair's angle in both its columns; the key rows into a scratch
+paged cache of ``T`` slots (``"PA_BSND"``, blocks of 16, ``cache_index = 0 .. T - 1``),
+which is the op's ``kv_latent`` / ``k_rope``: glmport's op is functional, and the
+caller scatters the rows into its own cache. ``weight_uq_qr``'s column order and the
+rope pairing are not documented; the adapter and the emulator assume DeepSeek's
+(each head's query then rope columns; interleaved pairs), unverified on an NPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glmport.backends.generic.mla import mla_prolog as _generic_mla_prolog
+from glmport.core.selection import log_fallback_once
+
+from .profile import NpuProfile
+
+_BLOCK = 16
+_FRACTAL_NZ = 29
+
+
+def _nz(npu: Any, w: torch.Tensor) -> torch.Tensor:
+    """An nn.Linear weight ``[out, in]`` as the op's ``[in, out]`` FRACTAL_NZ matrix."""
+    return npu.npu_format_cast(w.t().contiguous(), _FRACTAL_NZ)
+
+
+def mla_prolog(
+    npu: Any,
+    x: torch.Tensor,
+    w_dq: torch.Tensor,
+    gamma_cq: torch.Tensor,
+    w_uq: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_dkv: torch.Tensor,
+    gamma_ckv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    profile: NpuProfile,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """glmport ``mla_prolog`` (shapes in ``glmport.ops.mla_prolog``) through
+    ``npu_mla_prolog_v3`` on an Atlas A3, else the generic composite (logged once)."""
+    if profile.generation != "A3":
+        why = f"has npu_mla_prolog_v3 on Atlas A3 only, not on {profile.generation}, for"
+        log_fallback_once("ascend", "mla_prolog", "generic", why)
+        return _generic_mla_prolog(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps)
+    t = x.shape[0]
+    kv_lora, rope = w_uk.shape[2], 2 * cos.shape[1]
+    blocks = max(1, -(-t // _BLOCK))
+    kv_cache = x.new_empty((blocks, _BLOCK, 1, kv_lora))
+    kr_cache = x.new_empty((blocks, _BLOCK, 1, rope))
+    slots = torch.arange(t, dtype=torch.int64, device=x.device)
+    angles = [a.repeat_interleave(2, dim=1).to(x.dtype) for a in (sin, cos)]
+    query, query_rope, _, query_norm, _ = npu.npu_mla_prolog_v3(
+        x.contiguous(),
+        _nz(npu, w_dq),
+        _nz(npu, w_uq),
+        w_uk.contiguous(),
+        _nz(npu, w_dkv),
+        gamma_cq.contiguous(),
+        gamma_ckv.contiguous(),
+        *angles,
+        kv_cache,
+        kr_cache,
+        cache_index=slots,
+        rmsnorm_epsilon_cq=eps,
+        rmsnorm_epsilon_ckv=eps,
+        cache_mode="PA_BSND",
+        query_norm_flag=True,
+    )
+    return (
+        query,
+        query_rope,
+        query_norm,
+        kv_cache.view(-1, kv_lora)[:t],
+        kr_cache.view(-1, rope)[:t],
+    )

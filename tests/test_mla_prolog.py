@@ -1,0 +1,234 @@
+"""``mla_prolog`` (MLAPO): the cpu reference against the formula written out here in
+float64; the model's cached step calls it once per layer and decodes the tokens the
+composite projections decode, and keeps the composite where the op cannot serve
+(quantised projections, gradients); the ascend adapter's ``npu_mla_prolog_v3`` call at
+DeepSeek-V3.2's widths, its Atlas A2 fallback, and the emulator's documented refusals."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import glmport
+from glmport.backends.ascend import emulator
+from glmport.backends.ascend import mla as ascend_mla
+from glmport.backends.ascend.profile import NpuProfile
+from glmport.backends.cpu.precision import float64_reference
+from glmport.conformance.cases import all_cases
+from glmport.core import selection
+from glmport.core.tolerance import compare, tolerance
+from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from glmport.model.generation import generate
+from glmport.model.quantize import quantize_model
+
+
+def _formula(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps):
+    """The op's docstring, in float64, written without glmport."""
+    x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv = (
+        a.double() for a in (x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv)
+    )
+    c, s = cos.double(), sin.double()
+
+    def norm(v, g):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * g
+
+    def rotate(v):  # interleaved pairs (2i, 2i + 1)
+        view = (v.shape[0],) + (1,) * (v.dim() - 2) + (c.shape[1],)
+        a, b = v[..., 0::2], v[..., 1::2]
+        cc, ss = c.reshape(view), s.reshape(view)
+        return torch.stack((a * cc - b * ss, a * ss + b * cc), -1).flatten(-2)
+
+    heads, nope, kv_lora = w_uk.shape
+    q_norm = norm(x @ w_dq.T, gamma_cq)
+    q = (q_norm @ w_uq.T).reshape(x.shape[0], heads, -1)
+    q_latent = torch.stack([q[:, h, :nope] @ w_uk[h] for h in range(heads)], dim=1)
+    kv = x @ w_dkv.T
+    return (
+        q_latent,
+        rotate(q[..., nope:]),
+        q_norm,
+        norm(kv[:, :kv_lora], gamma_ckv),
+        rotate(kv[:, kv_lora:]),
+    )
+
+
+@pytest.mark.parametrize("name", ["tiny", "tail", "t1"])
+def test_the_reference_is_the_formula(name):
+    case = next(
+        c for c in all_cases(ops=("mla_prolog",)) if c.name == name and c.dtype == torch.float32
+    )
+    args = case.args()
+    with glmport.use_backend("cpu"), float64_reference():
+        got = glmport.ops.mla_prolog(*args)
+    for out, want in zip(got, _formula(*args), strict=True):
+        assert out.dtype == torch.float64 and out.shape == want.shape
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+# -- the model -------------------------------------------------------------------------
+
+
+def _model() -> GlmMoeDsaForCausalLM:
+    config = GlmMoeDsaConfig.tiny(index_n_heads=16)
+    model = GlmMoeDsaForCausalLM.from_config(config, seed=0)
+    with torch.no_grad():  # peaked logits, real index selections (tests/test_model_*)
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4)
+    return model
+
+
+PROMPTS = [[5, 17, 33, 2, 90, 11, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+
+
+def _decode(model, monkeypatch, *, fused: bool) -> tuple[list, int]:
+    """Greedy tokens of a cached decode, and how many mla_prolog calls it made; with
+    ``fused`` False the layers take the composite projections."""
+    calls = []
+    real = glmport.ops.mla_prolog
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(glmport.ops, "mla_prolog", counted)
+        if not fused:
+            m.setattr(
+                type(model.model.layers[0].self_attn), "_takes_mla_prolog", lambda s, h: False
+            )
+        out = generate(model, PROMPTS, 5, block_size=4)
+    return out.output_ids, len(calls)
+
+
+@pytest.mark.parametrize("backend", ["generic", "cpu"])
+def test_the_cached_decode_calls_mla_prolog_per_layer_and_decodes_as_the_composite(
+    backend, monkeypatch
+):
+    model = _model()
+    layers = model.config.num_hidden_layers  # (model.layers also holds the MTP layer)
+    with glmport.use_backend(backend):
+        fused, calls = _decode(model, monkeypatch, fused=True)
+        composite, none = _decode(model, monkeypatch, fused=False)
+    # Every cached step (the prompts' prefill, then 4 decode steps) in every layer.
+    assert none == 0 and calls >= 5 * layers and calls % layers == 0
+    assert fused == composite
+
+
+def test_quantised_projections_and_gradients_keep_the_composite(monkeypatch):
+    model = _model()
+    attn = model.model.layers[0].self_attn
+    h = torch.randn(3, model.config.hidden_size)
+    cos, sin = model.model.rope(torch.arange(3))
+    with torch.no_grad():
+        assert attn._takes_mla_prolog(h)
+        with_op = attn.prolog(h, cos, sin)
+    assert not attn._takes_mla_prolog(h)  # grad mode on, parameters that want gradients
+    composite = attn.prolog(h, cos, sin)
+    assert composite.q.requires_grad  # the gradient path is intact
+    for a, b in zip(
+        (with_op.q, with_op.q_res, with_op.latent, with_op.k_rope),
+        (composite.q, composite.q_res, composite.latent, composite.k_rope),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    quantize_model(model)
+    with torch.no_grad():
+        assert not model.model.layers[0].self_attn._takes_mla_prolog(h)
+
+
+# -- ascend ----------------------------------------------------------------------------
+
+
+def _dsv32_args() -> tuple:
+    case = next(c for c in all_cases(ops=("mla_prolog",)) if c.name == "dsv32")
+    return case.args()
+
+
+def test_the_ascend_adapter_runs_npu_mla_prolog_v3_at_deepseek_widths(monkeypatch):
+    args = _dsv32_args()
+    calls = []
+    real = emulator.npu_mla_prolog_v3
+
+    def recorded(*a, **k):
+        calls.append(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(emulator, "npu_mla_prolog_v3", recorded)
+    got = ascend_mla.mla_prolog(emulator, *args, profile=NpuProfile(generation="A3"))
+    assert len(calls) == 1
+    assert calls[0]["cache_mode"] == "PA_BSND" and calls[0]["query_norm_flag"] is True
+    with glmport.use_backend("cpu"), float64_reference():
+        want = glmport.ops.mla_prolog(*args)
+    tol = tolerance("mla_prolog", torch.bfloat16)
+    for i, (out, ref) in enumerate(zip(got, want, strict=True)):
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape, i
+        assert compare(out, ref, tol).ok, i
+
+
+def test_an_atlas_a2_runs_the_generic_composite_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setattr(selection, "_logged_fallbacks", set())
+    monkeypatch.setattr(emulator, "npu_mla_prolog_v3", None)  # never reached
+    args = _dsv32_args()
+    with caplog.at_level(logging.WARNING, logger="glmport"):
+        for _ in range(2):
+            got = ascend_mla.mla_prolog(emulator, *args, profile=NpuProfile(generation="A2"))
+    lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(lines) == 1 and "Atlas A3 only" in lines[0]
+    with glmport.use_backend("generic"):
+        want = glmport.ops.mla_prolog(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _npu_args(**changes) -> dict:
+    """A valid npu_mla_prolog_v3 call (one token, one head, DeepSeek-V3.2's widths)."""
+    bf = torch.bfloat16
+    args = {
+        "token_x": torch.zeros(1, 7168, dtype=bf),
+        "weight_dq": torch.zeros(7168, 1536, dtype=bf),
+        "weight_uq_qr": torch.zeros(1536, 192, dtype=bf),
+        "weight_uk": torch.zeros(1, 128, 512, dtype=bf),
+        "weight_dkv_kr": torch.zeros(7168, 576, dtype=bf),
+        "rmsnorm_gamma_cq": torch.ones(1536, dtype=bf),
+        "rmsnorm_gamma_ckv": torch.ones(512, dtype=bf),
+        "rope_sin": torch.zeros(1, 64, dtype=bf),
+        "rope_cos": torch.ones(1, 64, dtype=bf),
+        "kv_cache": torch.zeros(1, 16, 1, 512, dtype=bf),
+        "kr_cache": torch.zeros(1, 16, 1, 64, dtype=bf),
+        "cache_index": torch.zeros(1, dtype=torch.int64),
+    }
+    args.update(changes)
+    return args
+
+
+REFUSALS = {
+    "token_x must be [T, He] with He in (7168, 7680)": {
+        "token_x": torch.zeros(1, 6144, dtype=torch.bfloat16)
+    },
+    "weight_dq must be bfloat16 [7168, 1536]": {
+        "weight_dq": torch.zeros(7168, 2048, dtype=torch.bfloat16)
+    },
+    "weight_uk must be [N, 128, 512] with N in": {
+        "weight_uk": torch.zeros(3, 128, 512, dtype=torch.bfloat16)
+    },
+    "weight_uq_qr must be bfloat16 [1536, 192]": {
+        "weight_uq_qr": torch.zeros(1536, 256, dtype=torch.bfloat16)
+    },
+    "token_x must be contiguous": {
+        "token_x": torch.zeros(1, 2 * 7168, dtype=torch.bfloat16)[:, ::2]
+    },
+    "BlockSize 16..1024": {"kv_cache": torch.zeros(1, 8, 1, 512, dtype=torch.bfloat16)},
+    "cache_index must lie in": {"cache_index": torch.tensor([16])},
+    "weight_quant_mode=2 is not emulated": {"weight_quant_mode": 2},
+    "cache_mode 'PA_NZ' is not emulated": {"cache_mode": "PA_NZ"},
+    "dequant_scale_x (quantised scenarios) is not emulated": {"dequant_scale_x": torch.ones(1)},
+}
+
+
+@pytest.mark.parametrize("message", list(REFUSALS))
+def test_the_emulator_refuses_documented_violations(message):
+    with pytest.raises(emulator.NpuContractError, match="npu_mla_prolog_v3") as err:
+        emulator.npu_mla_prolog_v3(**_npu_args(**REFUSALS[message]))
+    assert message in str(err.value)
