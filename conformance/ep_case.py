@@ -355,26 +355,18 @@ def run_ep_check(case: Case, device: torch.device, backend: str) -> Verdict:
     x, w, weights, ids, cot = case.args()
     ref_out, ref_grad = _reference(x, w, weights, ids, cot)
     out = torch.cat([r["out"] for r in ranks])
+
+    def failed(what: str, bad: Verdict) -> Attributed:
+        return Attributed(False, f"{what}: {bad.reason}", bad.metrics, bad.tolerance, ran_on=ran_on)
+
     verdict = close(COMPONENT, case.dtype, (), out, ref_out)
     if not verdict.ok:
-        return Attributed(
-            False,
-            f"combined output: {verdict.reason}",
-            verdict.metrics,
-            verdict.tolerance,
-            ran_on=ran_on,
-        )
+        return failed("combined output", verdict)
     worst = verdict.metrics
     if v.train:
         grads = torch.cat([r["grad"] for r in ranks])
         grad = close(COMPONENT, case.dtype, (), grads, ref_grad)
         if not grad.ok:
-            return Attributed(
-                False,
-                f"gradient of 'x': {grad.reason}",
-                grad.metrics,
-                grad.tolerance,
-                ran_on=ran_on,
-            )
+            return failed("gradient of 'x'", grad)
         worst = {k: max(verdict.metrics[k], grad.metrics[k]) for k in verdict.metrics}
     return Attributed(True, handed, worst, verdict.tolerance, ran_on=ran_on)
