@@ -74,10 +74,15 @@ def add(
 ) -> Callable[[Kernel], Kernel]:
     """Put the mutation ``wrap`` of ``op`` into :data:`LIBRARY` (ids are unique). An
     indexer mutation sees every call in the packed form (a paged one as its packed
-    equivalent, :mod:`glmport.conformance.paging`)."""
+    equivalent, :mod:`glmport.conformance.paging`), but a stride mutation sees the
+    call as made: packing gathers the paged arguments into new tensors (and drops
+    ``block_table``), which no stride mutation could reach."""
     full = wrap
     if op == "lightning_indexer":
-        full = lambda kernel: in_packed_form(wrap(kernel))  # noqa: E731
+        if kind == "stride":
+            full = lambda kernel: wrap(in_packed_form(kernel))  # noqa: E731
+        else:
+            full = lambda kernel: in_packed_form(wrap(kernel))  # noqa: E731
     new = Mutant(op, name, kind, breaks, needs, full, tuple(only.items()))
     if new.id in LIBRARY:
         raise ValueError(f"mutant {new.id!r} is defined twice")
