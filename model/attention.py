@@ -266,14 +266,13 @@ class Attention(nn.Module):
         :meth:`project` and the ``W_UK`` absorption (quantised or biased projections,
         training)."""
         c = self.config
-        w_uk, _ = self._kv_up()
         if self._takes_mla_prolog(h):
             q_lat, q_pe, q_res, latent, k_rope = ops.mla_prolog(
                 h,
                 self.q_a_proj.weight,
                 self.q_a_layernorm.weight,
                 self.q_b_proj.weight,
-                w_uk,
+                self._kv_up()[0],
                 self.kv_a_proj_with_mqa.weight,
                 self.kv_a_layernorm.weight,
                 cos,

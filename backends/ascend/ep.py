@@ -18,7 +18,8 @@ dispatch fits them on every rank, and otherwise runs the generic backend's all-t
 
 The ranks agree on the path with one small ``all_reduce`` per dispatch (a rank whose
 call does not fit makes every rank take the all-to-all: taking different paths would
-hang the collective), whose answer is read on the host together with the pair's
+hang the collective; none where the chip or the group rules the pair out for every
+call), whose answer is read on the host together with the pair's
 ``global_bs`` (the largest ``T`` times the ranks). ``combine`` goes back the way its
 ``dispatch`` went.
 """
@@ -100,8 +101,6 @@ class MC2ExpertParallel(AllToAllExpertParallel):
 
     def _unfit_call(self, x: torch.Tensor, ids: torch.Tensor) -> str:
         """Why this rank's call cannot take the pair ("" when it can), bar repeated ids."""
-        if self._unfit:
-            return self._unfit
         if torch.is_grad_enabled():
             return "runs the MC2 pair for inference only (grad mode is on)"
         tokens, width = x.shape
@@ -118,6 +117,9 @@ class MC2ExpertParallel(AllToAllExpertParallel):
     def _dispatch(
         self, x: torch.Tensor, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        if self._unfit:  # the same on every rank (chip, ranks, experts): no vote needed
+            log_fallback_once("ascend", "expert_parallel", "generic", f"{self._unfit}, in")
+            return super()._dispatch(x, ids)
         why = self._unfit_call(x, ids)
         ordered = ids.sort(dim=1).values
         repeated = (ordered[:, 1:] == ordered[:, :-1]).any()
