@@ -17,7 +17,7 @@ Sections (GLM-5 shapes; ``--smoke`` shrinks them):
    its shared key rope ``[T, 64]`` and the indexer's half-split rope.
 6. ``mla``: the MLA prolog (MLAPO) of a decode batch, at the widths
    ``npu_mla_prolog_v3`` documents (DeepSeek-V3.2's: served by ascend) and at GLM-5's
-   (generic until a torch_npu documents them).
+   (generic until a torch_npu documents them), with bf16 and W8A8 projections.
 
 Every row names the backend that served the call under ``use_backend("ascend")``: a
 call outside the ascend backend's capabilities runs on generic (the row says why and
@@ -52,6 +52,7 @@ import common
 from common import Glm5Sizes, environment, markdown_table, randn, table
 
 import glmport
+from glmport.core.formats import quantize_tensor
 from glmport.core.selection import resolve
 from glmport.core.specs import SPECS
 from glmport.core.tolerance import Comparison, tolerance
@@ -363,14 +364,17 @@ def mla(b: Bench, s: Sizes) -> None:
             1e-6,
         )
         gemms = hidden * (q_lora + kv_lora + rope) + q_lora * heads * (nope + rope)
-        b.compare(
-            "mla",
-            f"mla_prolog {what} T={t} H={heads}",
-            "mla_prolog",
-            args,
-            torch.bfloat16,
-            flops=2.0 * t * (gemms + heads * nope * kv_lora),
-        )
+        packed = [quantize_tensor(args[i], "int8_row", 1) for i in (1, 3, 5)]
+        w8a8 = (*args[:1], packed[0][0], args[2], packed[1][0], args[4], packed[2][0], *args[6:])
+        for scheme, call in (("bf16", args), ("W8A8", (*w8a8, *(s for _, s in packed)))):
+            b.compare(
+                "mla",
+                f"mla_prolog {what} {scheme} T={t} H={heads}",
+                "mla_prolog",
+                call,
+                torch.bfloat16,
+                flops=2.0 * t * (gemms + heads * nope * kv_lora),
+            )
 
 
 RUNNERS = {

@@ -17,6 +17,7 @@ from .onnx_body import (
     INT64_MAX,
     Body,
     arange,
+    fake_quant,
     fp8_codes,
     from_fp8,
     gemm,
@@ -24,6 +25,9 @@ from .onnx_body import (
     quant_values,
     transpose,
 )
+
+# mla_prolog's quantised projections.
+W8A8 = "w8a8"
 
 
 def _paged_rows(b: Body, table: str, k: str) -> str:
@@ -300,20 +304,36 @@ def _rotated(b: Body, x_in: str, cos: str, sin: str, interleaved: bool) -> str:
 
 def _mla_prolog(b, t, a):
     x, w_uk = t["x"], t["w_uk"]
+    quantised = t["w_uq_scale"] is not None
+
+    def batched(v: str) -> str:
+        return b("Unsqueeze", v, b.ints(0))
 
     def linear(inp: str, w: str) -> str:
-        return b("CastLike", b("MatMul", b.f32(inp), transpose(b, b.f32(w), 1, 0)), x)
+        scale = t[w + "_scale"]
+        if scale is None:
+            y = b("MatMul", b.f32(inp), transpose(b, b.f32(t[w]), 1, 0))
+        else:  # W8A8 (the group size is unused by a per-channel weight)
+            y = b(
+                "Squeeze",
+                gemm(b, batched(b.f32(inp)), batched(t[w]), batched(scale), W8A8, b.dim(inp, 1)),
+                b.ints(0),
+            )
+        return b("CastLike", y, x)
 
     big = b.ints(INT64_MAX)
     heads, nope, kv_lora = b.dim(w_uk, 0), b.dim(w_uk, 1), b.dim(w_uk, 2)
-    q_norm = _normalised(b, linear(x, t["w_dq"]), t["gamma_cq"])
+    q_norm = _normalised(b, linear(x, "w_dq"), t["gamma_cq"])
+    if quantised:  # as the W8A8 up-projection reads it
+        grid = fake_quant(b, batched(b.f32(q_norm)), FORMATS["int8_row"], b.dim(q_norm, 1))
+        q_norm = b("CastLike", b("Squeeze", grid, b.ints(0)), x)
     per_head_width = b("Div", b.dim(t["w_uq"], 0), heads)
-    q = b.reshape(linear(q_norm, t["w_uq"]), b.dim(x, 0), heads, per_head_width)
+    q = b.reshape(linear(q_norm, "w_uq"), b.dim(x, 0), heads, per_head_width)
     q_nope = b("Slice", q, b.ints(0), nope, b.ints(2))
     q_pe = b("Slice", q, nope, big, b.ints(2))
     per_head = b("MatMul", b("Transpose", b.f32(q_nope), perm=[1, 0, 2]), b.f32(w_uk))
     q_latent = b("CastLike", b("Transpose", per_head, perm=[1, 0, 2]), x)
-    kv = linear(x, t["w_dkv"])
+    kv = linear(x, "w_dkv")
     latent = b("Slice", kv, b.ints(0), kv_lora, b.ints(1))
     k_pe = b("Slice", kv, kv_lora, big, b.ints(1))
     cos, sin = t["cos"], t["sin"]

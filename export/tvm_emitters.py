@@ -444,25 +444,44 @@ def rope(g: Graph, x, cos, sin, interleaved=True):
     return g(op.astype(y, g.dtype(x)))
 
 
-def mla_prolog(g: Graph, x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps=1e-6):
+def mla_prolog(
+    g: Graph,
+    x,
+    w_dq,
+    gamma_cq,
+    w_uq,
+    w_uk,
+    w_dkv,
+    gamma_ckv,
+    cos,
+    sin,
+    eps=1e-6,
+    w_dq_scale=None,
+    w_uq_scale=None,
+    w_dkv_scale=None,
+):
     """The five outputs in x's dtype, each named intermediate rounded to it as the
-    reference (``backends/cpu/mla.py``) rounds."""
+    reference (``backends/cpu/mla.py``) rounds; W8A8 projections where scales are given."""
     op = g.op
     t = g.shape(x)[0]
     heads, nope, kv_lora = g.shape(w_uk)
     dtype = g.dtype(x)
 
-    def linear(a, w):
+    def linear(a, w, w_scale):
+        if w_scale is not None:
+            return quant_gemm(g, a, w, w_scale, "w8a8")
         return g(op.astype(g.matmul(g.f32(a), g(op.permute_dims(g.f32(w)))), dtype))
 
-    q_norm = rms_norm(g, linear(x, w_dq), gamma_cq, eps)
+    q_norm = rms_norm(g, linear(x, w_dq, w_dq_scale), gamma_cq, eps)
+    if w_uq_scale is not None:  # as the W8A8 up-projection reads it
+        q_norm = g(op.astype(_fake_quant(g, g.f32(q_norm), "int8_row", 0), dtype))
     width = nope + 2 * g.shape(cos)[1]
-    q = g(op.reshape(linear(q_norm, w_uq), [t, heads, width]))
+    q = g(op.reshape(linear(q_norm, w_uq, w_uq_scale), [t, heads, width]))
     q_nope = g(op.strided_slice(q, axes=[2], begin=[0], end=[nope]))
     q_pe = g(op.strided_slice(q, axes=[2], begin=[nope], end=[width]))
     per_head = g.matmul(g(op.permute_dims(g.f32(q_nope), [1, 0, 2])), g.f32(w_uk))
     q_latent = g(op.astype(op.permute_dims(per_head, [1, 0, 2]), dtype))
-    kv = linear(x, w_dkv)
+    kv = linear(x, w_dkv, w_dkv_scale)
     latent = g(op.strided_slice(kv, axes=[1], begin=[0], end=[kv_lora]))
     k_pe = g(op.strided_slice(kv, axes=[1], begin=[kv_lora], end=[kv_lora + 2 * g.shape(cos)[1]]))
     return (

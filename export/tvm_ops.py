@@ -124,9 +124,12 @@ def _shapes(op: str, args: tuple, d: _Dims) -> list:
         return [[d.T, d.D], [d.V, d.D], [d.T]]
     if op == "mla_prolog":  # hidden Hd, q_lora Q, nope Dn, kv_lora C, rope 2P
         rope = 2 * d.P
+        scales = (
+            [[d.Q], [d.H * (d.Dn + rope)], [d.C + rope]] if args[10] is not None else [None] * 3
+        )
         return [
             [d.T, d.Hd], [d.Q, d.Hd], [d.Q], [d.H * (d.Dn + rope), d.Q], [d.H, d.Dn, d.C],
-            [d.C + rope, d.Hd], [d.C], [d.T, d.P], [d.T, d.P],
+            [d.C + rope, d.Hd], [d.C], [d.T, d.P], [d.T, d.P], *scales,
         ]  # fmt: skip
     raise KeyError(op)
 

@@ -260,24 +260,26 @@ class Attention(nn.Module):
 
     def prolog(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> LatentQueries:
         """The cached step's projections of ``h [T, hidden]``: one ``ops.mla_prolog``
-        call (MLAPO) when the layer's weights are what it takes (float ``nn.Linear``
-        projections without bias, everything in ``h``'s dtype) and no gradient is
-        wanted (the op has no backward); else the same computation as
-        :meth:`project` and the ``W_UK`` absorption (quantised or biased projections,
-        training)."""
+        call (MLAPO) when the layer's weights are what it takes (see
+        :meth:`_prolog_weights`) and no gradient is wanted (the op has no backward);
+        else the same computation as :meth:`project` and the ``W_UK`` absorption
+        (other quantisations, biased projections, training)."""
         c = self.config
-        if self._takes_mla_prolog(h):
+        weights = self._prolog_weights(h)
+        if weights is not None:
+            (w_dq, w_uq, w_dkv), scales = weights
             q_lat, q_pe, q_res, latent, k_rope = ops.mla_prolog(
                 h,
-                self.q_a_proj.weight,
+                w_dq,
                 self.q_a_layernorm.weight,
-                self.q_b_proj.weight,
+                w_uq,
                 self._kv_up()[0],
-                self.kv_a_proj_with_mqa.weight,
+                w_dkv,
                 self.kv_a_layernorm.weight,
                 cos,
                 sin,
                 MLA_NORM_EPS,
+                *scales,
             )
         else:
             p = self.project(h, cos, sin)
@@ -285,14 +287,34 @@ class Attention(nn.Module):
             latent, k_rope = p.latent[:, : c.kv_lora_rank], p.latent[:, c.kv_lora_rank :]
         return LatentQueries(torch.cat((q_lat, q_pe), dim=-1), q_res, latent, k_rope)
 
-    def _takes_mla_prolog(self, h: torch.Tensor) -> bool:
-        linears = (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj)
+    def _prolog_weights(self, h: torch.Tensor) -> tuple[tuple, tuple] | None:
+        """``((w_dq, w_uq, w_dkv), scales)`` as ``ops.mla_prolog`` takes them, or None
+        where it cannot serve: a gradient wanted, a bias, a gain or ``kv_b_proj`` (kept
+        float by quantisation) not in ``h``'s dtype, or projections that are neither
+        all float ``nn.Linear`` in ``h``'s dtype (scales None) nor all packed W8A8
+        (``QuantLinear``: the canonical int8 weights and their scales)."""
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            return None
+        up = self.kv_b_proj
         gains = (self.q_a_layernorm.weight, self.kv_a_layernorm.weight)
-        return (
-            not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
-            and all(type(m) is nn.Linear and m.bias is None for m in linears)
-            and all(w.dtype == h.dtype for w in (*(m.weight for m in linears), *gains))
-        )
+        if type(up) is not nn.Linear or up.bias is not None:
+            return None
+        if any(w.dtype != h.dtype for w in (up.weight, *gains)):
+            return None
+        projections = (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa)
+        if any(m.bias is not None for m in projections):
+            return None
+        if all(type(m) is nn.Linear and m.weight.dtype == h.dtype for m in projections):
+            return tuple(m.weight for m in projections), (None, None, None)
+        # QuantLinear by its attributes (model/quantize.py imports this module).
+        if all(
+            getattr(m, "scheme", None) == "w8a8" and hasattr(m, "weight_q") for m in projections
+        ):
+            return (
+                tuple(m.weight_q for m in projections),
+                tuple(m.weight_scale for m in projections),
+            )
+        return None
 
     def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """``q_nope [T, H, nope]`` with ``W_UK`` folded in: ``[T, H, kv_lora]``."""

@@ -369,6 +369,9 @@ def build_mla_prolog(d: Draw):
         "sin": angle.sin(),
         "eps": 1e-6,
     }
+    if d.pick((False, True)):  # W8A8: the page's full-quantisation scenario when inside
+        for name in ("w_dq", "w_uq", "w_dkv"):
+            args[name], args[name + "_scale"] = quantize_tensor(args[name], "int8_row", 1)
     return _finish(d, "mla_prolog", args, dtype)
 
 

@@ -1,8 +1,9 @@
 """``mla_prolog`` (MLAPO): the cpu reference against the formula written out here in
-float64; the model's cached step calls it once per layer and decodes the tokens the
-composite projections decode, and keeps the composite where the op cannot serve
-(quantised projections, gradients); the ascend adapter's ``npu_mla_prolog_v3`` call at
-DeepSeek-V3.2's widths, its Atlas A2 fallback, and the emulator's documented refusals."""
+float64 (float and W8A8 projections); the model's cached step calls it once per layer
+and decodes the tokens the composite projections decode (float and W8A8 models), and
+keeps the composite where the op cannot serve (other quantisations, gradients); the
+ascend adapter's ``npu_mla_prolog_v3`` calls at DeepSeek-V3.2's widths (unquantised
+and full quantisation), its Atlas A2 fallback, and the emulator's documented refusals."""
 
 from __future__ import annotations
 
@@ -24,8 +25,26 @@ from glmport.model.generation import generate
 from glmport.model.quantize import quantize_model
 
 
-def _formula(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps):
-    """The op's docstring, in float64, written without glmport."""
+def _on_grid(a: torch.Tensor) -> torch.Tensor:
+    """``a [T, K]`` quantised per row to int8 and back, in float64: ``amax / 127``
+    scales, rounding half to even, in float32 (``int8_row`` in glmport.core.formats)."""
+    scale = a.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    return torch.round(a.float() / scale).clamp(-127, 127).double() * scale.double()
+
+
+def _formula(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps, *scales):
+    """The op's docstring, in float64, written without glmport. With the three
+    scales (W8A8): the int8 weights times their row scales, each projection's input on
+    its per-token int8 grid, ``q_norm`` put there in ``x``'s dtype and returned so."""
+    dtype = x.dtype
+    weights = (w_dq, w_uq, w_dkv)
+    if scales and scales[0] is not None:
+        grid = _on_grid
+        w_dq, w_uq, w_dkv = (
+            w.double() * s.double()[:, None] for w, s in zip(weights, scales, strict=True)
+        )
+    else:
+        grid = torch.Tensor.double
     x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv = (
         a.double() for a in (x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv)
     )
@@ -41,10 +60,12 @@ def _formula(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps):
         return torch.stack((a * cc - b * ss, a * ss + b * cc), -1).flatten(-2)
 
     heads, nope, kv_lora = w_uk.shape
-    q_norm = norm(x @ w_dq.T, gamma_cq)
+    q_norm = norm(grid(x) @ w_dq.T, gamma_cq)
+    if grid is _on_grid:
+        q_norm = _on_grid(q_norm.to(dtype))
     q = (q_norm @ w_uq.T).reshape(x.shape[0], heads, -1)
     q_latent = torch.stack([q[:, h, :nope] @ w_uk[h] for h in range(heads)], dim=1)
-    kv = x @ w_dkv.T
+    kv = grid(x) @ w_dkv.T
     return (
         q_latent,
         rotate(q[..., nope:]),
@@ -54,7 +75,7 @@ def _formula(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps):
     )
 
 
-@pytest.mark.parametrize("name", ["tiny", "tail", "t1"])
+@pytest.mark.parametrize("name", ["tiny", "tail", "t1", "tiny_w8a8", "tail_w8a8"])
 def test_the_reference_is_the_formula(name):
     case = next(
         c for c in all_cases(ops=("mla_prolog",)) if c.name == name and c.dtype == torch.float32
@@ -96,18 +117,20 @@ def _decode(model, monkeypatch, *, fused: bool) -> tuple[list, int]:
     with monkeypatch.context() as m:
         m.setattr(glmport.ops, "mla_prolog", counted)
         if not fused:
-            m.setattr(
-                type(model.model.layers[0].self_attn), "_takes_mla_prolog", lambda s, h: False
-            )
+            m.setattr(type(model.model.layers[0].self_attn), "_prolog_weights", lambda s, h: None)
         out = generate(model, PROMPTS, 5, block_size=4)
     return out.output_ids, len(calls)
 
 
-@pytest.mark.parametrize("backend", ["generic", "cpu"])
+@pytest.mark.parametrize(
+    "backend, scheme", [("generic", None), ("cpu", None), ("generic", "w8a8"), ("cpu", "w8a8")]
+)
 def test_the_cached_decode_calls_mla_prolog_per_layer_and_decodes_as_the_composite(
-    backend, monkeypatch
+    backend, scheme, monkeypatch
 ):
     model = _model()
+    if scheme:  # the prolog takes the packed projections (the indexer's quantises q_norm alike)
+        quantize_model(model, experts="none", dense=scheme)
     layers = model.config.num_hidden_layers  # (model.layers also holds the MTP layer)
     with glmport.use_backend(backend):
         fused, calls = _decode(model, monkeypatch, fused=True)
@@ -117,15 +140,15 @@ def test_the_cached_decode_calls_mla_prolog_per_layer_and_decodes_as_the_composi
     assert fused == composite
 
 
-def test_quantised_projections_and_gradients_keep_the_composite(monkeypatch):
+def test_other_quantisations_and_gradients_keep_the_composite():
     model = _model()
     attn = model.model.layers[0].self_attn
     h = torch.randn(3, model.config.hidden_size)
     cos, sin = model.model.rope(torch.arange(3))
     with torch.no_grad():
-        assert attn._takes_mla_prolog(h)
+        assert attn._prolog_weights(h) is not None
         with_op = attn.prolog(h, cos, sin)
-    assert not attn._takes_mla_prolog(h)  # grad mode on, parameters that want gradients
+    assert attn._prolog_weights(h) is None  # grad mode on, parameters that want gradients
     composite = attn.prolog(h, cos, sin)
     assert composite.q.requires_grad  # the gradient path is intact
     for a, b in zip(
@@ -134,21 +157,33 @@ def test_quantised_projections_and_gradients_keep_the_composite(monkeypatch):
         strict=True,
     ):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
-    quantize_model(model)
+    quantize_model(model, experts="none", dense="fp8_block")
     with torch.no_grad():
-        assert not model.model.layers[0].self_attn._takes_mla_prolog(h)
+        assert model.model.layers[0].self_attn._prolog_weights(h) is None
+
+
+def test_a_w8a8_layer_hands_mla_prolog_its_packed_weights():
+    model = _model()
+    quantize_model(model, experts="none", dense="w8a8")
+    attn = model.model.layers[0].self_attn
+    h = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        (w_dq, w_uq, w_dkv), scales = attn._prolog_weights(h)
+    assert w_dq is attn.q_a_proj.weight_q and scales[1] is attn.q_b_proj.weight_scale
+    assert all(w.dtype == torch.int8 for w in (w_dq, w_uq, w_dkv))
 
 
 # -- ascend ----------------------------------------------------------------------------
 
 
-def _dsv32_args() -> tuple:
-    case = next(c for c in all_cases(ops=("mla_prolog",)) if c.name == "dsv32")
+def _dsv32_args(name: str = "dsv32") -> tuple:
+    case = next(c for c in all_cases(ops=("mla_prolog",)) if c.name == name)
     return case.args()
 
 
-def test_the_ascend_adapter_runs_npu_mla_prolog_v3_at_deepseek_widths(monkeypatch):
-    args = _dsv32_args()
+@pytest.mark.parametrize("name, mode", [("dsv32", 0), ("dsv32_w8a8", 2)])
+def test_the_ascend_adapter_runs_npu_mla_prolog_v3_at_deepseek_widths(name, mode, monkeypatch):
+    args = _dsv32_args(name)
     calls = []
     real = emulator.npu_mla_prolog_v3
 
@@ -160,6 +195,7 @@ def test_the_ascend_adapter_runs_npu_mla_prolog_v3_at_deepseek_widths(monkeypatc
     got = ascend_mla.mla_prolog(emulator, *args, profile=NpuProfile(generation="A3"))
     assert len(calls) == 1
     assert calls[0]["cache_mode"] == "PA_BSND" and calls[0]["query_norm_flag"] is True
+    assert calls[0].get("weight_quant_mode", 0) == mode
     with glmport.use_backend("cpu"), float64_reference():
         want = glmport.ops.mla_prolog(*args)
     tol = tolerance("mla_prolog", torch.bfloat16)
@@ -221,10 +257,53 @@ REFUSALS = {
     },
     "BlockSize 16..1024": {"kv_cache": torch.zeros(1, 8, 1, 512, dtype=torch.bfloat16)},
     "cache_index must lie in": {"cache_index": torch.tensor([16])},
-    "weight_quant_mode=2 is not emulated": {"weight_quant_mode": 2},
+    "weight_quant_mode=1 is not emulated": {"weight_quant_mode": 1},
     "cache_mode 'PA_NZ' is not emulated": {"cache_mode": "PA_NZ"},
-    "dequant_scale_x (quantised scenarios) is not emulated": {"dequant_scale_x": torch.ones(1)},
+    "dequant_scale_x is not emulated in this scenario": {"dequant_scale_x": torch.ones(1)},
 }
+
+
+def _quantised(**changes) -> dict:
+    """:func:`_npu_args` as the full-quantisation scenario (int8 x and weights, scales)."""
+    i8, f32 = torch.int8, torch.float32
+    return {
+        "token_x": torch.zeros(1, 7168, dtype=i8),
+        "weight_dq": torch.zeros(7168, 1536, dtype=i8),
+        "weight_uq_qr": torch.zeros(1536, 192, dtype=i8),
+        "weight_dkv_kr": torch.zeros(7168, 576, dtype=i8),
+        "dequant_scale_x": torch.ones(1, dtype=f32),
+        "dequant_scale_w_dq": torch.ones(1, 1536, dtype=f32),
+        "dequant_scale_w_uq_qr": torch.ones(1, 192, dtype=f32),
+        "dequant_scale_w_dkv_kr": torch.ones(1, 576, dtype=f32),
+        "weight_quant_mode": 2,
+        **changes,
+    }
+
+
+REFUSALS |= {
+    "token_x must be int8 [1, 7168]": _quantised(token_x=torch.zeros(1, 7168)),
+    "weight_dkv_kr must be int8": _quantised(weight_dkv_kr=torch.zeros(7168, 576)),
+    "dequant_scale_w_dq must be given": _quantised(dequant_scale_w_dq=None),
+    "dequant_scale_w_uq_qr must be float32 [1, 192]": _quantised(
+        dequant_scale_w_uq_qr=torch.ones(192)
+    ),
+    "dequant_scale_x must be float [T] or [T, 1]": _quantised(dequant_scale_x=torch.ones(2)),
+    "smooth_scales_cq is not emulated": _quantised(smooth_scales_cq=torch.ones(1, 1536)),
+    "kv_cache_quant_mode=1 is not emulated": _quantised(kv_cache_quant_mode=1),
+}
+
+
+def test_the_quantised_scenario_returns_query_norm_as_int8_codes_and_scales():
+    g = torch.Generator().manual_seed(0)
+    args = _quantised(
+        token_x=torch.randint(-127, 128, (1, 7168), generator=g, dtype=torch.int8),
+        weight_dq=torch.randint(-127, 128, (7168, 1536), generator=g, dtype=torch.int8),
+        dequant_scale_x=torch.full((1,), 1e-3),
+        dequant_scale_w_dq=torch.full((1, 1536), 1e-3),
+    )
+    *_, query_norm, scale = emulator.npu_mla_prolog_v3(**_npu_args(**args), query_norm_flag=True)
+    assert query_norm.dtype == torch.int8 and query_norm.shape == (1, 1536)
+    assert scale.shape == (1, 1) and int(query_norm.abs().max()) == 127
 
 
 @pytest.mark.parametrize("message", list(REFUSALS))

@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import glmport
-from glmport.core.formats import FP8_DTYPE
+from glmport.core.formats import FP8_DTYPE, quantize_tensor
 from glmport.core.specs import OP_NAMES, SPECS
 
 T, D, N, E = 3, 8, 6, 2
@@ -33,13 +33,23 @@ def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-def _mla_prolog(dtype: torch.dtype) -> tuple:
-    """hidden D, q_lora 6, 2 heads of nope 4, kv_lora 5, rope 4."""
+def _mla_prolog(dtype: torch.dtype, quantised: bool = False) -> tuple:
+    """hidden D, q_lora 6, 2 heads of nope 4, kv_lora 5, rope 4; ``quantised``: the
+    three projections packed W8A8 with their scales."""
+    x, w_dq, gamma_cq = (
+        _rand(T, D, dtype=dtype), _rand(6, D, dtype=dtype, seed=1), _rand(6, dtype=dtype, seed=2)
+    )  # fmt: skip
+    w_uq, w_uk = _rand(2 * 8, 6, dtype=dtype, seed=3), _rand(2, 4, 5, dtype=dtype, seed=4)
+    w_dkv, gamma_ckv = _rand(5 + 4, D, dtype=dtype, seed=5), _rand(5, dtype=dtype, seed=6)
+    scales = (None, None, None)
+    if quantised:
+        (w_dq, s_dq), (w_uq, s_uq), (w_dkv, s_dkv) = (
+            quantize_tensor(w, "int8_row", w.shape[1]) for w in (w_dq, w_uq, w_dkv)
+        )
+        scales = (s_dq, s_uq, s_dkv)
     return (
-        _rand(T, D, dtype=dtype), _rand(6, D, dtype=dtype, seed=1), _rand(6, dtype=dtype, seed=2),
-        _rand(2 * 8, 6, dtype=dtype, seed=3), _rand(2, 4, 5, dtype=dtype, seed=4),
-        _rand(5 + 4, D, dtype=dtype, seed=5), _rand(5, dtype=dtype, seed=6),
-        _rand(T, 2, seed=7), _rand(T, 2, seed=8), 1e-6,
+        x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, _rand(T, 2, seed=7),
+        _rand(T, 2, seed=8), 1e-6, *scales,
     )  # fmt: skip
 
 
@@ -217,6 +227,7 @@ SAMPLES: list[Sample] = [
     ),
     Sample("mla_prolog-fp32", "mla_prolog", lambda: _mla_prolog(torch.float32)),
     Sample("mla_prolog-bf16", "mla_prolog", lambda: _mla_prolog(BF16)),
+    Sample("mla_prolog-w8a8", "mla_prolog", lambda: _mla_prolog(BF16, quantised=True)),
     *(
         Sample(
             f"rope-{'interleaved' if il else 'half_split'}",

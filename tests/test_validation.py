@@ -175,6 +175,14 @@ def _mla_prolog() -> dict:
     }
 
 
+def _mla_prolog_w8a8() -> dict:
+    """:func:`_mla_prolog` with its three projections packed W8A8, scales last."""
+    args = _mla_prolog()
+    for name in ("w_dq", "w_uq", "w_dkv"):
+        args[name], args[name + "_scale"] = glmport.ops.quantize_weight(args[name], "w8a8")
+    return args
+
+
 def _token_logprobs() -> dict:
     return {
         "hidden": _rand(T, D),
@@ -208,6 +216,7 @@ GOOD: dict[str, tuple[str, Callable[[], dict]]] = {
     "rms_norm": ("rms_norm", _rms_norm),
     "rope": ("rope", _rope),
     "mla_prolog": ("mla_prolog", _mla_prolog),
+    "mla_prolog_w8a8": ("mla_prolog", _mla_prolog_w8a8),
     "token_logprobs": ("token_logprobs", _token_logprobs),
     "quantize_weight": ("quantize_weight", _quantize_weight),
 }
@@ -981,6 +990,45 @@ CASES: list[Case] = [
     Case("mla-sin_dtype", "mla_prolog", put(sin=lambda a: a["sin"].double()), "sin", ("float64",)),
     *_scalar_cases("mla_prolog", "eps"),
     Case("mla-w_uk_on_meta", "mla_prolog", meta("w_uk"), "w_uk", ("meta",)),
+    Case(
+        "mla-one_scale",
+        "mla_prolog",
+        put(w_dq_scale=torch.ones(6)),
+        "w_uq_scale",
+        ("all three or none", "None"),
+    ),
+    Case(
+        "mla-w8a8_missing_scale",
+        "mla_prolog_w8a8",
+        put(w_dkv_scale=None),
+        "w_dkv_scale",
+        ("all three or none",),
+    ),
+    Case(
+        "mla-w8a8_float_weight",
+        "mla_prolog_w8a8",
+        put(w_uq=_rand(2 * 8, 6)),
+        "w_uq",
+        ("int8", "float32"),
+    ),
+    Case(
+        "mla-w8a8_scale_rows",
+        "mla_prolog_w8a8",
+        put(w_uq_scale=torch.ones(15)),
+        "w_uq_scale",
+        ("w_uq rows=16", "[15]"),
+    ),
+    Case(
+        "mla-w8a8_scale_dtype",
+        "mla_prolog_w8a8",
+        put(w_dq_scale=lambda a: a["w_dq_scale"].double()),
+        "w_dq_scale",
+        ("float32", "float64"),
+    ),
+    Case(
+        "mla-w8a8_scale_on_meta", "mla_prolog_w8a8", meta("w_dkv_scale"), "w_dkv_scale", ("meta",)
+    ),
+    *_value_scale_cases("mla_prolog_w8a8", "w_uq_scale", 3),
     # -- rope -----------------------------------------------------------------------
     Case("rope-x_1d", "rope", put(x=_rand(D)), "x", ("at least 2-D", "1-D")),
     Case("rope-x_dtype", "rope", put(x=lambda a: a["x"].int()), "x", ("int32",)),

@@ -15,7 +15,16 @@ has no prepared-weight path for this op yet); the angles as ``[T, Dr]`` bfloat16
 with each interleaved pair's angle in both its columns; the key rows into a scratch
 paged cache of ``T`` slots (``"PA_BSND"``, blocks of 16, ``cache_index = 0 .. T - 1``),
 which is the op's ``kv_latent`` / ``k_rope``: glmport's op is functional, and the
-caller scatters the rows into its own cache. ``weight_uq_qr``'s column order and the
+caller scatters the rows into its own cache.
+
+W8A8 (the op's three weight scales given) is the page's full-quantisation scenario with
+unquantised caches (``weight_quant_mode=2``): ``x`` quantised per token by glmport's
+own ``int8_row`` arithmetic (as ``gemm.py`` does for ``npu_quant_matmul``), the int8
+weights and their per-channel scales as ``[1, N]``. The op returns ``query_norm`` as the
+int8 codes its up-projection read, with per-token scales, which the adapter multiplies
+out: glmport's W8A8 ``q_norm`` is defined as exactly that.
+
+``weight_uq_qr``'s column order and the
 rope pairing are not documented; the adapter and the emulator assume DeepSeek's
 (each head's query then rope columns; interleaved pairs), unverified on an NPU.
 """
@@ -29,6 +38,7 @@ import torch
 from glmport.backends.generic.mla import mla_prolog as _generic_mla_prolog
 from glmport.core.selection import log_fallback_once
 
+from .gemm import quantize_activations
 from .profile import NpuProfile
 
 _BLOCK = 16
@@ -52,15 +62,22 @@ def mla_prolog(
     cos: torch.Tensor,
     sin: torch.Tensor,
     eps: float = 1e-6,
+    w_dq_scale: torch.Tensor | None = None,
+    w_uq_scale: torch.Tensor | None = None,
+    w_dkv_scale: torch.Tensor | None = None,
     *,
     profile: NpuProfile,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """glmport ``mla_prolog`` (shapes in ``glmport.ops.mla_prolog``) through
-    ``npu_mla_prolog_v3`` on an Atlas A3, else the generic composite (logged once)."""
+    ``npu_mla_prolog_v3`` on an Atlas A3, else the generic composite (logged once).
+    W8A8 takes the page's full-quantisation scenario (``weight_quant_mode=2``)."""
+    scales = (w_dq_scale, w_uq_scale, w_dkv_scale)
     if profile.generation != "A3":
         why = f"has npu_mla_prolog_v3 on Atlas A3 only, not on {profile.generation}, for"
         log_fallback_once("ascend", "mla_prolog", "generic", why)
-        return _generic_mla_prolog(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps)
+        return _generic_mla_prolog(
+            x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps, *scales
+        )
     t = x.shape[0]
     kv_lora, rope = w_uk.shape[2], 2 * cos.shape[1]
     blocks = max(1, -(-t // _BLOCK))
@@ -68,8 +85,19 @@ def mla_prolog(
     kr_cache = x.new_empty((blocks, _BLOCK, 1, rope))
     slots = torch.arange(t, dtype=torch.int64, device=x.device)
     angles = [a.repeat_interleave(2, dim=1).to(x.dtype) for a in (sin, cos)]
-    query, query_rope, _, query_norm, _ = npu.npu_mla_prolog_v3(
-        x.contiguous(),
+    token_x, quant = x.contiguous(), {}
+    if w_dq_scale is not None:
+        # glmport's own int8_row codes of x (see gemm.py on npu_dynamic_quant's rounding).
+        token_x, x_scale = quantize_activations(token_x)
+        quant = {
+            "dequant_scale_x": x_scale,
+            "dequant_scale_w_dq": w_dq_scale.reshape(1, -1).contiguous(),
+            "dequant_scale_w_uq_qr": w_uq_scale.reshape(1, -1).contiguous(),
+            "dequant_scale_w_dkv_kr": w_dkv_scale.reshape(1, -1).contiguous(),
+            "weight_quant_mode": 2,
+        }
+    query, query_rope, _, query_norm, q_norm_scale = npu.npu_mla_prolog_v3(
+        token_x,
         _nz(npu, w_dq),
         _nz(npu, w_uq),
         w_uk.contiguous(),
@@ -84,7 +112,10 @@ def mla_prolog(
         rmsnorm_epsilon_ckv=eps,
         cache_mode="PA_BSND",
         query_norm_flag=True,
+        **quant,
     )
+    if quant:  # the int8 codes the up-projection read, and their per-token scales
+        query_norm = (query_norm.float() * q_norm_scale).to(x.dtype)
     return (
         query,
         query_rope,

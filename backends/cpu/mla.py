@@ -5,23 +5,54 @@ from __future__ import annotations
 
 import torch
 
+from glmport.core.formats import quantize_tensor
+
 from .norm_rope import rms_norm, rope
 from .precision import acc_dtype, out_dtype
+from .quant import quant_gemm
 
 
-def _linear(a: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ w.T`` accumulated in the compute dtype, rounded to ``dtype``."""
+def _linear(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    x_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ w.T`` accumulated in the compute dtype, rounded to ``dtype``. For a packed
+    ``w`` (W8A8) ``quant_gemm`` quantises ``a`` as the contract names it, in ``x_dtype``,
+    in float64 mode too: its codes are a step function of ``a``, so quantising the
+    unrounded value would judge a correct kernel by where roundings cross a code."""
+    if w_scale is not None:
+        return quant_gemm(a.to(x_dtype), w, w_scale, "w8a8").to(dtype)
     return (a.to(acc_dtype()) @ w.to(acc_dtype()).T).to(dtype)
 
 
-def mla_prolog(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps=1e-6):
+def mla_prolog(
+    x,
+    w_dq,
+    gamma_cq,
+    w_uq,
+    w_uk,
+    w_dkv,
+    gamma_ckv,
+    cos,
+    sin,
+    eps=1e-6,
+    w_dq_scale=None,
+    w_uq_scale=None,
+    w_dkv_scale=None,
+):
     dtype = out_dtype(x.dtype)
     t = x.shape[0]
     heads, nope, kv_lora = w_uk.shape
-    q_norm = rms_norm(_linear(x, w_dq, dtype), gamma_cq, eps)
-    q = _linear(q_norm, w_uq, dtype).view(t, heads, w_uq.shape[0] // heads)
+    q_norm = rms_norm(_linear(x, w_dq, w_dq_scale, dtype, x.dtype), gamma_cq, eps)
+    if w_uq_scale is not None:  # as the W8A8 up-projection reads it (product exact)
+        codes, scale = quantize_tensor(q_norm.to(x.dtype), "int8_row", q_norm.shape[1])
+        q_norm = (codes.to(acc_dtype()) * scale.to(acc_dtype())[:, None]).to(dtype)
+    q = _linear(q_norm, w_uq, w_uq_scale, dtype, x.dtype).view(t, heads, w_uq.shape[0] // heads)
     q_latent = torch.einsum("thn,hnc->thc", q[..., :nope].to(acc_dtype()), w_uk.to(acc_dtype()))
-    kv = _linear(x, w_dkv, dtype)
+    kv = _linear(x, w_dkv, w_dkv_scale, dtype, x.dtype)
     return (
         q_latent.to(dtype),
         rope(q[..., nope:], cos, sin, True),

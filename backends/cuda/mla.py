@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from glmport.core.formats import fake_quant_activation
+
+from .gemm import quant_gemm
 from .norm_rope import rope
 from .runtime import next_pow2, rounded_to, tuned
 
@@ -79,6 +82,11 @@ def _prolog_rows_kernel(
     tl.store(out + 2 * i + 1, rounded_to(a * s + b * c, dtype), mask=mask)
 
 
+def _linear(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
+    """``a @ w.T`` in ``a``'s dtype: cuBLAS, or the W8A8 kernel for a packed ``w``."""
+    return a @ w.T if w_scale is None else quant_gemm(a, w, w_scale, "w8a8")
+
+
 def mla_prolog(
     x: torch.Tensor,
     w_dq: torch.Tensor,
@@ -90,15 +98,19 @@ def mla_prolog(
     cos: torch.Tensor,
     sin: torch.Tensor,
     eps: float = 1e-6,
+    w_dq_scale: torch.Tensor | None = None,
+    w_uq_scale: torch.Tensor | None = None,
+    w_dkv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``glmport.ops.mla_prolog`` (shapes there): ``q_latent [T, H, kv_lora]``,
     ``q_rope [T, H, rope]``, ``q_norm [T, q_lora]``, ``kv_latent [T, kv_lora]``,
-    ``k_rope [T, rope]`` in ``x``'s dtype, all contiguous."""
+    ``k_rope [T, rope]`` in ``x``'s dtype, all contiguous. W8A8 (the scales given):
+    the three projections run on this backend's int8 ``quant_gemm`` kernel."""
     t = x.shape[0]
     heads, nope, kv_lora = w_uk.shape
     q_lora, half = w_dq.shape[0], cos.shape[1]
-    cq = (x @ w_dq.T).contiguous()
-    kv = (x @ w_dkv.T).contiguous()
+    cq = _linear(x, w_dq, w_dq_scale).contiguous()
+    kv = _linear(x, w_dkv, w_dkv_scale).contiguous()
     q_norm = x.new_empty((t, q_lora))
     kv_latent = x.new_empty((t, kv_lora))
     k_rope = x.new_empty((t, 2 * half))
@@ -123,7 +135,9 @@ def mla_prolog(
             BLOCK_KV=next_pow2(kv_lora),
             BLOCK_HALF=next_pow2(half, floor=1),
         )
-    q = (q_norm @ w_uq.T).view(t, heads, nope + 2 * half)
+    if w_uq_scale is not None:  # as the W8A8 up-projection reads it
+        q_norm = fake_quant_activation(q_norm, "w8a8").to(x.dtype)
+    q = _linear(q_norm, w_uq, w_uq_scale).view(t, heads, nope + 2 * half)
     # Per-head GEMMs over the token axis: [H, T, nope] @ [H, nope, kv_lora].
     q_latent = torch.matmul(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1).contiguous()
     return q_latent, rope(q[..., nope:], cos, sin, True), q_norm, kv_latent, k_rope

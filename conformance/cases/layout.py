@@ -37,6 +37,7 @@ LAYOUT_BASES = (
     ("rope", "tiny_half"),
     ("token_logprobs", "tiny"),
     ("mla_prolog", "tiny"),
+    ("mla_prolog", "tiny_w8a8"),
 )
 
 

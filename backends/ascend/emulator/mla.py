@@ -2,12 +2,23 @@
 ``npu_format_cast``, which its weights go through.
 
 Page: Ascend/op-plugin ``docs/context/torch_npu-npu_mla_prolog_v3.md`` (read 2026-12):
-the non-quantised scenario (``weight_quant_mode`` / ``kv_cache_quant_mode`` /
-``query_quant_mode`` 0) with the key rows written into paged (``"PA_BSND"``) or token
-(``"TND"``) caches; the quantised scenarios, the other cache modes and the scale
-corrections are refused by name as not emulated. Shapes as documented (DeepSeek-V3.2's
-widths): He 7168 or 7680, Hcq 1536, N in 1, 2, 4 ... 128, D 128, Dr 64, Hckv 512,
-bfloat16 throughout, contiguous inputs.
+two scenarios, with the key rows written into paged (``"PA_BSND"``) or token (``"TND"``)
+caches:
+
+- non-quantised (``weight_quant_mode`` / ``kv_cache_quant_mode`` / ``query_quant_mode``
+  0): bfloat16 throughout;
+- full quantisation with unquantised caches (全量化 kv_cache非量化: ``weight_quant_mode``
+  2, the others 0): int8 ``token_x`` with per-token ``dequant_scale_x [T]``, int8
+  ``weight_dq`` / ``weight_uq_qr`` / ``weight_dkv_kr`` with per-channel
+  ``dequant_scale_w_* [1, N]``; GEMMs sum exactly and apply both scales in float32;
+  ``c^Q`` is quantised per token inside the op, and ``query_norm`` (with
+  ``query_norm_flag``) comes back as those int8 codes with ``dequant_scale_q_norm
+  [T, 1]``, as the page's dtype table gives it.
+
+The partial and cache-quantising scenarios, ``smooth_scales_cq``, the other cache modes
+and the scale corrections are refused by name as not emulated. Shapes as documented
+(DeepSeek-V3.2's widths): He 7168 or 7680, Hcq 1536, N in 1, 2, 4 ... 128, D 128, Dr
+64, Hckv 512, contiguous inputs.
 
 What the page leaves open, and this emulator assumes (the adapter assumes the same;
 an NPU run of ``bench/ascend_backend.py`` confirms or refutes it): ``weight_uq_qr``'s
@@ -45,13 +56,42 @@ def npu_format_cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
     return tensor.contiguous().clone()
 
 
-def _bf16(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _typed(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     require(
-        t.dtype == torch.bfloat16 and tuple(t.shape) == shape,
+        t.dtype == dtype and tuple(t.shape) == shape,
         _OP,
-        f"{name} must be bfloat16 {list(shape)}, got {t.dtype} {list(t.shape)}",
+        f"{name} must be {_name(dtype)} {list(shape)}, got {_name(t.dtype)} {list(t.shape)}",
     )
     require(t.is_contiguous(), _OP, f"{name} must be contiguous (不支持非连续)")
+
+
+def _bf16(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    _typed(name, t, torch.bfloat16, shape)
+
+
+def _dequantised(
+    codes: torch.Tensor, row_scale: torch.Tensor, weight: torch.Tensor, col_scale: torch.Tensor
+) -> torch.Tensor:
+    """int8 ``codes [T, K] @ weight [K, N]`` summed exactly (int32; float64 holds every
+    such sum), times the per-token ``row_scale [T, 1]`` and per-channel ``col_scale
+    [1, N]`` in float32, rounded to bfloat16."""
+    acc = (codes.double() @ weight.double()).float()
+    return (acc * row_scale * col_scale).bfloat16()
+
+
+def _dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token int8 codes ``[T, C]`` and float32 scales ``[T, 1]`` of bfloat16 ``x``,
+    as torch_npu's dynamic-quant kernel computes them (``rint(x * (127 / amax))``,
+    scale ``amax * (1 / 127)``): assumed for the prolog's internal quantisation of
+    ``c^Q``, which the page does not spell out."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    codes = torch.round(xf * (127.0 / amax)).clamp(-127, 127).to(torch.int8)
+    return codes, amax * (1.0 / 127.0)
 
 
 def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,28 +148,35 @@ def npu_mla_prolog_v3(
     float32), and writes ``c^KV`` / ``k^R`` into ``kv_cache`` / ``kr_cache`` in place at
     ``cache_index`` (``"PA_BSND"``: flat slots of ``[BlockNum, BlockSize, 1, D]``
     caches) or row by row (``"TND"``: ``[T, 1, D]`` caches)."""
+    quantised = weight_quant_mode == 2
     unset = {
-        "dequant_scale_x": dequant_scale_x,
-        "dequant_scale_w_dq": dequant_scale_w_dq,
-        "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr,
-        "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
         "quant_scale_ckv": quant_scale_ckv,
         "quant_scale_ckr": quant_scale_ckr,
         "smooth_scales_cq": smooth_scales_cq,
         "actual_seq_len": actual_seq_len,
         "k_nope_clip_alpha": k_nope_clip_alpha,
     }
-    for name, value in unset.items():
-        require(value is None, _OP, f"{name} (quantised scenarios) is not emulated")
+    dequant = {
+        "dequant_scale_x": dequant_scale_x,
+        "dequant_scale_w_dq": dequant_scale_w_dq,
+        "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr,
+        "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
+    }
+    for name, value in (unset if quantised else {**unset, **dequant}).items():
+        require(value is None, _OP, f"{name} is not emulated in this scenario")
+    require(
+        weight_quant_mode in (0, 2),
+        _OP,
+        f"weight_quant_mode={weight_quant_mode} is not emulated (0: none, 2: full W8A8)",
+    )
     modes = {
-        "weight_quant_mode": weight_quant_mode,
         "kv_cache_quant_mode": kv_cache_quant_mode,
         "query_quant_mode": query_quant_mode,
         "ckvkr_repo_mode": ckvkr_repo_mode,
         "quant_scale_repo_mode": quant_scale_repo_mode,
     }
     for name, value in modes.items():
-        require(value == 0, _OP, f"{name}={value} is not emulated (non-quantised only)")
+        require(value == 0, _OP, f"{name}={value} is not emulated (unquantised caches only)")
     require(
         qc_qr_scale == 1.0 and kc_scale == 1.0,
         _OP,
@@ -148,11 +195,28 @@ def npu_mla_prolog_v3(
         f"weight_uk must be [N, {_D}, {_HCKV}] with N in {_HEADS}, got {list(weight_uk.shape)}",
     )
     heads = weight_uk.shape[0]
-    _bf16("token_x", token_x, (t, he))
-    _bf16("weight_dq", weight_dq, (he, _HCQ))
-    _bf16("weight_uq_qr", weight_uq_qr, (_HCQ, heads * (_D + _DR)))
+    # Full quantisation: token_x and the three NZ weights int8, everything else bf16.
+    packed = torch.int8 if quantised else torch.bfloat16
+    _typed("token_x", token_x, packed, (t, he))
+    _typed("weight_dq", weight_dq, packed, (he, _HCQ))
+    _typed("weight_uq_qr", weight_uq_qr, packed, (_HCQ, heads * (_D + _DR)))
     _bf16("weight_uk", weight_uk, (heads, _D, _HCKV))
-    _bf16("weight_dkv_kr", weight_dkv_kr, (he, _HCKV + _DR))
+    _typed("weight_dkv_kr", weight_dkv_kr, packed, (he, _HCKV + _DR))
+    if quantised:
+        require(
+            dequant_scale_x is not None and dequant_scale_x.shape in ((t,), (t, 1)),
+            _OP,
+            f"dequant_scale_x must be float [T] or [T, 1] (T={t}) with an int8 token_x",
+        )
+        _typed("dequant_scale_x", dequant_scale_x, torch.float32, tuple(dequant_scale_x.shape))
+        for name, width in (
+            ("dequant_scale_w_dq", _HCQ),
+            ("dequant_scale_w_uq_qr", heads * (_D + _DR)),
+            ("dequant_scale_w_dkv_kr", _HCKV + _DR),
+        ):
+            scale = dequant[name]
+            require(scale is not None, _OP, f"{name} must be given (weight_quant_mode=2)")
+            _typed(name, scale, torch.float32, (1, width))
     _bf16("rmsnorm_gamma_cq", rmsnorm_gamma_cq, (_HCQ,))
     _bf16("rmsnorm_gamma_ckv", rmsnorm_gamma_ckv, (_HCKV,))
     _bf16("rope_sin", rope_sin, (t, _DR))
@@ -184,21 +248,28 @@ def npu_mla_prolog_v3(
             f"cache_index must lie in [0, BlockNum * BlockSize = {blocks * block_size})",
         )
         slots = cache_index
-    x = token_x.float()
-    c_q = (x @ weight_dq.float()).bfloat16()
-    query_norm = _rms(c_q.float(), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
-    q_c = (query_norm.float() @ weight_uq_qr.float()).bfloat16().view(t, heads, _D + _DR)
+    if quantised:
+        sx = dequant_scale_x.reshape(t, 1)
+        c_q = _dequantised(token_x, sx, weight_dq, dequant_scale_w_dq)
+        query_norm = _rms(c_q.float(), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
+        q_codes, q_scale = _dynamic_quant(query_norm)
+        q_c = _dequantised(q_codes, q_scale, weight_uq_qr, dequant_scale_w_uq_qr)
+        kv = _dequantised(token_x, sx, weight_dkv_kr, dequant_scale_w_dkv_kr)
+    else:
+        x = token_x.float()
+        c_q = (x @ weight_dq.float()).bfloat16()
+        query_norm = _rms(c_q.float(), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
+        q_c = (query_norm.float() @ weight_uq_qr.float()).bfloat16()
+        kv = (x @ weight_dkv_kr.float()).bfloat16()
+    q_c = q_c.view(t, heads, _D + _DR)
     query = torch.einsum("thd,hdc->thc", q_c[..., :_D].float(), weight_uk.float()).bfloat16()
     query_rope = _rope(q_c[..., _D:].float(), rope_cos, rope_sin)
-    kv = (x @ weight_dkv_kr.float()).bfloat16()
     latent = _rms(kv[:, :_HCKV].float(), rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
     kv_cache.view(-1, _HCKV)[slots] = latent
     kr_cache.view(-1, _DR)[slots] = _rope(kv[:, _HCKV:].float(), rope_cos, rope_sin)
     empty = torch.empty(0, dtype=torch.float32)
-    return (
-        query,
-        query_rope,
-        empty,
-        query_norm if query_norm_flag else torch.empty(0, dtype=torch.bfloat16),
-        empty.clone(),
-    )
+    if not query_norm_flag:
+        return query, query_rope, empty, torch.empty(0, dtype=packed), empty.clone()
+    if quantised:  # query_norm as the up-projection read it: int8 codes and their scales
+        return query, query_rope, empty, q_codes, q_scale
+    return query, query_rope, empty, query_norm, empty.clone()
