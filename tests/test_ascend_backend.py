@@ -129,8 +129,23 @@ def test_a_start_up_check_answered_in_no_known_convention_refuses_the_npu(monkey
 
     fake.npu_lightning_indexer = stale
     avail = BACKEND.probe(emulate=False)
-    assert not avail.ok and "start-up check of npu_lightning_indexer failed" in avail.reason
-    assert "[0, 0]" in avail.reason
+    assert not avail.ok and "start-up check failed" in avail.reason
+    assert "npu_lightning_indexer" in avail.reason and "[0, 0]" in avail.reason
+
+
+def test_a_prolog_start_up_check_answered_in_no_known_convention_refuses_an_a3(monkeypatch):
+    fake = _fake_torch_npu(monkeypatch, "Ascend910_9391")
+
+    def unrotated(token_x, *args, **kwargs):
+        args[9][..., 0] = 1  # kr_cache: the key's rope input, not rotated
+        t, heads = token_x.shape[0], args[2].shape[0]
+        query_rope = torch.ones(t, heads, 64, dtype=torch.bfloat16)
+        return torch.zeros(t, heads, 512, dtype=torch.bfloat16), query_rope, None, None, None
+
+    fake.npu_mla_prolog_v3 = unrotated
+    avail = BACKEND.probe(emulate=False)
+    assert not avail.ok and "start-up check failed" in avail.reason
+    assert "npu_mla_prolog_v3" in avail.reason and "columns [0]" in avail.reason
 
 
 @pytest.mark.parametrize("soc", ["Ascend310P3", "Ascend950PR_9579", "Ascend910ProB", "Mystery1"])

@@ -7,6 +7,7 @@ and full quantisation), its Atlas A2 fallback, and the emulator's documented ref
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -15,7 +16,12 @@ import torch
 import glmport
 from glmport.backends.ascend import emulator
 from glmport.backends.ascend import mla as ascend_mla
-from glmport.backends.ascend.profile import NpuProfile
+from glmport.backends.ascend.profile import (
+    NpuProfile,
+    SelfTestError,
+    detect_profile,
+    prolog_conventions,
+)
 from glmport.backends.cpu.precision import float64_reference
 from glmport.conformance.cases import all_cases
 from glmport.core import selection
@@ -202,6 +208,53 @@ def test_the_ascend_adapter_runs_npu_mla_prolog_v3_at_deepseek_widths(name, mode
     for i, (out, ref) in enumerate(zip(got, want, strict=True)):
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape, i
         assert compare(out, ref, tol).ok, i
+
+
+CONVENTIONS = [(c, r) for c in ("per_head", "split") for r in ("interleaved", "half")]
+A2_SOC = "Ascend910B3"  # an Atlas A2's SoC name
+
+
+@pytest.mark.parametrize("columns, rope", CONVENTIONS)
+def test_the_start_up_check_tells_each_prolog_convention_apart(columns, rope):
+    build = emulator.EmulatedBuild(prolog_columns=columns, prolog_rope=rope)
+    with emulator.emulated_build(build):
+        profile = detect_profile(emulator, torch.device("cpu"))
+    assert (profile.prolog_columns, profile.prolog_rope) == (columns, rope)
+    assert f"{columns} columns, {rope} rope pairs" in profile.describe()
+    with emulator.emulated_build(dataclasses.replace(build, soc_name=A2_SOC)):
+        a2 = detect_profile(emulator, torch.device("cpu"))  # no prolog call on an A2
+    assert (a2.generation, a2.prolog_columns, a2.prolog_rope) == ("A2", "per_head", "interleaved")
+
+
+@pytest.mark.parametrize("name", ["dsv32", "dsv32_w8a8"])
+@pytest.mark.parametrize("columns, rope", CONVENTIONS)
+def test_the_adapter_serves_every_prolog_convention(columns, rope, name):
+    args = _dsv32_args(name)
+    with glmport.use_backend("cpu"), float64_reference():
+        want = glmport.ops.mla_prolog(*args)
+    tol = tolerance("mla_prolog", torch.bfloat16)
+    build = emulator.EmulatedBuild(prolog_columns=columns, prolog_rope=rope)
+    with emulator.emulated_build(build):
+        measured = NpuProfile(prolog_columns=columns, prolog_rope=rope)
+        got = ascend_mla.mla_prolog(emulator, *args, profile=measured)
+        assumed = ascend_mla.mla_prolog(emulator, *args, profile=NpuProfile())
+    assert all(compare(o, r, tol).ok for o, r in zip(got, want, strict=True))
+    # Assuming DeepSeek's layout on another build is wrong where the layouts differ.
+    wrong = [
+        i for i, (o, r) in enumerate(zip(assumed, want, strict=True)) if not compare(o, r, tol).ok
+    ]
+    assert (wrong == []) == ((columns, rope) == ("per_head", "interleaved")), wrong
+
+
+def test_an_unknown_answer_at_start_up_is_an_error_that_says_what_came_back(monkeypatch):
+    def silent(token_x, *args, **kwargs):  # an op that writes and returns nothing useful
+        t, heads = token_x.shape[0], args[3].shape[0]
+        zeros = torch.zeros(t, heads, 512, dtype=torch.bfloat16)
+        return zeros, torch.zeros(t, heads, 64, dtype=torch.bfloat16), None, None, None
+
+    monkeypatch.setattr(emulator, "npu_mla_prolog_v3", silent)
+    with pytest.raises(SelfTestError, match="npu_mla_prolog_v3's start-up check"):
+        prolog_conventions(emulator, torch.device("cpu"))
 
 
 def test_an_atlas_a2_runs_the_generic_composite_with_one_log_line(monkeypatch, caplog):

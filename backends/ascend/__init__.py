@@ -165,13 +165,13 @@ class AscendBackend(Backend):
             )
         from .profile import detect_profile
 
-        try:  # the start-up check: a tiny indexer call on the NPU
+        try:  # the start-up checks: a tiny indexer call (and MLA prolog call) on the NPU
             profile = detect_profile(torch_npu, npu_device())
         except Exception as err:
             return Availability(
                 False,
-                f"torch_npu {torch_npu.__version__} on {soc}: the start-up check of "
-                f"npu_lightning_indexer failed ({type(err).__name__}: {err})",
+                f"torch_npu {torch_npu.__version__} on {soc}: the start-up check failed "
+                f"({type(err).__name__}: {err})",
             )
         return Availability(
             True,

@@ -24,9 +24,11 @@ weights and their per-channel scales as ``[1, N]``. The op returns ``query_norm`
 int8 codes its up-projection read, with per-token scales, which the adapter multiplies
 out: glmport's W8A8 ``q_norm`` is defined as exactly that.
 
-``weight_uq_qr``'s column order and the
-rope pairing are not documented; the adapter and the emulator assume DeepSeek's
-(each head's query then rope columns; interleaved pairs), unverified on an NPU.
+``weight_uq_qr``'s column order and the rope's pairs are not documented: the backend
+measures both at start-up (:func:`.profile.prolog_conventions`, one tiny call) and the
+adapter orders the weights' rows, the angle tables and the rope outputs for the answer
+(DeepSeek's layout, each head's query then rope columns with interleaved pairs, passes
+everything through unchanged). The emulator answers in each convention on request.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from glmport.backends.generic.mla import mla_prolog as _generic_mla_prolog
 from glmport.core.selection import log_fallback_once
 
 from .gemm import quantize_activations
-from .profile import NpuProfile
+from .profile import HALF, INTERLEAVED, PER_HEAD, SPLIT, NpuProfile
 
 _BLOCK = 16
 _FRACTAL_NZ = 29
@@ -79,12 +81,19 @@ def mla_prolog(
             x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps, *scales
         )
     t = x.shape[0]
-    kv_lora, rope = w_uk.shape[2], 2 * cos.shape[1]
+    heads, nope, kv_lora = w_uk.shape
+    rope = 2 * cos.shape[1]
     blocks = max(1, -(-t // _BLOCK))
     kv_cache = x.new_empty((blocks, _BLOCK, 1, kv_lora))
     kr_cache = x.new_empty((blocks, _BLOCK, 1, rope))
     slots = torch.arange(t, dtype=torch.int64, device=x.device)
-    angles = [a.repeat_interleave(2, dim=1).to(x.dtype) for a in (sin, cos)]
+    half = profile.prolog_rope == HALF
+    # Each pair's angle in both its columns: (2i, 2i + 1), or (i, i + rope / 2).
+    angles = [
+        (a.repeat(1, 2) if half else a.repeat_interleave(2, dim=1)).to(x.dtype) for a in (sin, cos)
+    ]
+    w_uq, w_uq_scale = _uq_rows(w_uq, w_uq_scale, heads, nope, profile)
+    w_dkv, w_dkv_scale = _dkv_rows(w_dkv, w_dkv_scale, kv_lora, profile)
     token_x, quant = x.contiguous(), {}
     if w_dq_scale is not None:
         # glmport's own int8_row codes of x (see gemm.py on npu_dynamic_quant's rounding).
@@ -116,10 +125,51 @@ def mla_prolog(
     )
     if quant:  # the int8 codes the up-projection read, and their per-token scales
         query_norm = (query_norm.float() * q_norm_scale).to(x.dtype)
-    return (
-        query,
-        query_rope,
-        query_norm,
-        kv_cache.view(-1, kv_lora)[:t],
-        kr_cache.view(-1, rope)[:t],
+    k_rope = kr_cache.view(-1, rope)[:t]
+    if half:  # the kernel's (i, i + rope / 2) pairs back to glmport's (2i, 2i + 1)
+        query_rope, k_rope = (_interleaved(r) for r in (query_rope, k_rope))
+    return query, query_rope, query_norm, kv_cache.view(-1, kv_lora)[:t], k_rope
+
+
+def _deinterleaved(rope: int, device: torch.device) -> torch.Tensor:
+    """The row order that puts glmport's pair ``(2i, 2i + 1)`` at ``(i, i + rope / 2)``."""
+    return torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2))).to(device)
+
+
+def _interleaved(r: torch.Tensor) -> torch.Tensor:
+    """``[..., rope]`` in half-split pair order back to interleaved pair order."""
+    a, b = r.chunk(2, dim=-1)
+    return torch.stack((a, b), dim=-1).flatten(-2)
+
+
+def _uq_rows(
+    w: torch.Tensor, scale: torch.Tensor | None, heads: int, nope: int, profile: NpuProfile
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``w_uq [H * (nope + rope), q_lora]`` (and its W8A8 row scales) in the row order
+    the build's ``weight_uq_qr`` columns take (measured at start-up): per head or split,
+    rope rows in the build's pair order. Unchanged (no copy) for DeepSeek's layout."""
+    if profile.prolog_columns == PER_HEAD and profile.prolog_rope == INTERLEAVED:
+        return w, scale
+    rows = torch.arange(w.shape[0], device=w.device).view(heads, -1)
+    q_rows, rope_rows = rows[:, :nope], rows[:, nope:]
+    if profile.prolog_rope == HALF:
+        rope_rows = rope_rows[:, _deinterleaved(rope_rows.shape[1], w.device)]
+    if profile.prolog_columns == SPLIT:
+        order = torch.cat((q_rows.flatten(), rope_rows.flatten()))
+    else:
+        order = torch.cat((q_rows, rope_rows), dim=1).flatten()
+    return w[order], None if scale is None else scale[order]
+
+
+def _dkv_rows(
+    w: torch.Tensor, scale: torch.Tensor | None, kv_lora: int, profile: NpuProfile
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``w_dkv [kv_lora + rope, hidden]`` (and its row scales) with the rope rows in the
+    build's pair order; unchanged (no copy) for interleaved pairs."""
+    if profile.prolog_rope != HALF:
+        return w, scale
+    rope = w.shape[0] - kv_lora
+    order = torch.cat(
+        (torch.arange(kv_lora, device=w.device), kv_lora + _deinterleaved(rope, w.device))
     )
+    return w[order], None if scale is None else scale[order]

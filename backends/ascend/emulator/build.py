@@ -23,11 +23,18 @@ class EmulatedBuild:
     """``version``: the torch_npu package version reported as ``__version__``;
     ``indexer_positions``: ``"batch"`` or ``"global"``, what multi-batch TND
     ``sparse_indices`` count from (undocumented); ``soc_name``: the chip the device
-    reports (``torch.npu.get_device_name()``), an Atlas A3 by default."""
+    reports (``torch.npu.get_device_name()``), an Atlas A3 by default;
+    ``prolog_columns``: how ``npu_mla_prolog_v3``'s ``weight_uq_qr`` orders its
+    columns (undocumented): ``"per_head"`` (each head's ``D`` query then ``Dr`` rope
+    columns, DeepSeek's ``wq_b``) or ``"split"`` (every head's query columns, then
+    every head's rope columns); ``prolog_rope``: the pairs its rope rotates
+    (undocumented): ``"interleaved"`` ``(2i, 2i + 1)`` or ``"half"`` ``(i, i + Dr/2)``."""
 
     version: str = NEWEST
     indexer_positions: str = "batch"
     soc_name: str = "Ascend910_9382"
+    prolog_columns: str = "per_head"
+    prolog_rope: str = "interleaved"
 
 
 _current = [EmulatedBuild()]

@@ -20,12 +20,14 @@ and the scale corrections are refused by name as not emulated. Shapes as documen
 (DeepSeek-V3.2's widths): He 7168 or 7680, Hcq 1536, N in 1, 2, 4 ... 128, D 128, Dr
 64, Hckv 512, contiguous inputs.
 
-What the page leaves open, and this emulator assumes (the adapter assumes the same;
-an NPU run of ``bench/ascend_backend.py`` confirms or refutes it): ``weight_uq_qr``'s
-columns hold each head's ``D`` query columns then its ``Dr`` rope columns (DeepSeek's
-``wq_b`` layout, transposed); rope rotates interleaved pairs ``(2i, 2i + 1)`` (the MLA
-rope of DeepSeek-V3.2), with ``rope_cos`` / ``rope_sin`` giving each pair's angle in
-both of its columns. Arithmetic is float32 with each named intermediate (``c^Q``,
+What the page leaves open, the emulator answers as the emulated build says
+(:mod:`.build`), so the adapter's handling of each answer is tested: ``weight_uq_qr``'s
+column order (by default each head's ``D`` query columns then its ``Dr`` rope columns,
+DeepSeek's ``wq_b`` layout transposed; or every head's query columns first) and the
+pairs rope rotates (by default interleaved ``(2i, 2i + 1)``, the MLA rope of
+DeepSeek-V3.2; or ``(i, i + Dr/2)``), with ``rope_cos`` / ``rope_sin`` giving each
+pair's angle in both of its columns. The adapters measure both at start-up
+(:func:`..profile.prolog_conventions`). Arithmetic is float32 with each named intermediate (``c^Q``,
 ``q^C``, ``c^KV``, ``k^R``, the outputs) rounded to bfloat16. Weight formats are not
 modelled: ``npu_format_cast`` returns the tensor's contiguous copy whatever the format.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .build import current_build
 from .contract import require
 
 _OP = "npu_mla_prolog_v3"
@@ -99,9 +102,15 @@ def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved pairs of float32 ``x [T, ..., Dr]`` rotated by ``cos`` / ``sin``
-    ``[T, Dr]`` (each pair's angle in both its columns), rounded to bfloat16."""
-    view = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
+    """Float32 ``x [T, ..., Dr]`` rotated by ``cos`` / ``sin`` ``[T, Dr]`` (each pair's
+    angle in both its columns), rounded to bfloat16: interleaved pairs ``(2i, 2i + 1)``,
+    or ``(i, i + Dr/2)`` where the emulated build says ``prolog_rope="half"``."""
+    half = x.shape[-1] // 2
+    view = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    if current_build().prolog_rope == "half":
+        c, s = cos[:, :half].float().reshape(view), sin[:, :half].float().reshape(view)
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * c - b * s, a * s + b * c), dim=-1).bfloat16()
     c, s = cos[:, 0::2].float().reshape(view), sin[:, 0::2].float().reshape(view)
     a, b = x[..., 0::2], x[..., 1::2]
     return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).bfloat16()
@@ -261,9 +270,13 @@ def npu_mla_prolog_v3(
         query_norm = _rms(c_q.float(), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
         q_c = (query_norm.float() @ weight_uq_qr.float()).bfloat16()
         kv = (x @ weight_dkv_kr.float()).bfloat16()
-    q_c = q_c.view(t, heads, _D + _DR)
-    query = torch.einsum("thd,hdc->thc", q_c[..., :_D].float(), weight_uk.float()).bfloat16()
-    query_rope = _rope(q_c[..., _D:].float(), rope_cos, rope_sin)
+    if current_build().prolog_columns == "split":
+        q_nope = q_c[:, : heads * _D].reshape(t, heads, _D)
+        q_pe = q_c[:, heads * _D :].reshape(t, heads, _DR)
+    else:
+        q_nope, q_pe = q_c.view(t, heads, _D + _DR).split((_D, _DR), dim=-1)
+    query = torch.einsum("thd,hdc->thc", q_nope.float(), weight_uk.float()).bfloat16()
+    query_rope = _rope(q_pe.float(), rope_cos, rope_sin)
     latent = _rms(kv[:, :_HCKV].float(), rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
     kv_cache.view(-1, _HCKV)[slots] = latent
     kr_cache.view(-1, _DR)[slots] = _rope(kv[:, _HCKV:].float(), rope_cos, rope_sin)
