@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from glmport.backends.cuda.runtime import to_dot  # interpreted: conftest set TRITON_INTERPRET
+# interpreted: conftest set TRITON_INTERPRET
+from glmport.backends.cuda.runtime import row_invariant_dot, to_dot
 from glmport.conformance.runner import run_check, suite_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -181,6 +182,29 @@ def test_to_dot_rounds_operands_as_tensor_cores_take_them():
         out = torch.empty(16, 16)
         _dot_kernel[(1,)](a, b, out, dot)
         assert out[0, 0].item() == expected, dot
+
+
+@triton.jit
+def _rows_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, M: tl.constexpr):
+    n, k, m = tl.arange(0, N), tl.arange(0, K), tl.arange(0, M)
+    a = tl.load(a_ptr + n[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * M + m[None, :])
+    tl.store(out_ptr + n[:, None] * M + m[None, :], row_invariant_dot(a, b, IEEE=True))
+
+
+def test_identical_rows_give_identical_dots_as_on_a_gpu():
+    """The indexer's top-k breaks exact ties by slot, which needs identical keys to
+    score bit-identically; the interpreter's float32 ``tl.dot`` (numpy's BLAS) gives
+    rows 650 apart different last bits at this shape (8 columns), ``row_invariant_dot``
+    does not, and stays within float32 rounding of the float64 product."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1024, 32, generator=g)
+    a[650:] = a[:374]
+    b = torch.randn(32, 8, generator=g)
+    out = torch.empty(1024, 8)
+    _rows_kernel[(1,)](a, b, out, 1024, 32, 8)
+    assert torch.equal(out[650:], out[:374])
+    torch.testing.assert_close(out.double(), a.double() @ b.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_gpu_plan_refuses_unknown_kernels_and_configs(runtime):

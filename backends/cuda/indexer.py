@@ -61,7 +61,15 @@ from glmport.core.formats import FP8_DTYPE
 from glmport.core.specs.indexer import scores_as_asked
 
 from .quant import native_fp8
-from .runtime import dot_dtype, interpreter_plan, next_pow2, sm_count, to_dot, tuned
+from .runtime import (
+    dot_dtype,
+    interpreter_plan,
+    next_pow2,
+    row_invariant_dot,
+    sm_count,
+    to_dot,
+    tuned,
+)
 
 # The sort key of a slot outside the query's range: below every real key (whose low
 # half, 2**31 - 1 - slot, is positive for any slot below 2**31 - 1).
@@ -144,16 +152,14 @@ def _weighted_relu_dots(
                 mask=q_mask[:, None] & (od < Di)[None, :],
                 other=0.0,
             )
-            dots += tl.dot(
-                to_dot(kc, q.dtype), tl.trans(to_dot(qc, q.dtype)), input_precision="ieee"
-            )
+            dots += row_invariant_dot(to_dot(kc, q.dtype), tl.trans(to_dot(qc, q.dtype)), IEEE=True)
     else:
         kt = tl.load(
             k_ptr + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
             mask=n_valid[:, None] & d_mask[None, :],
             other=0.0,
         )
-        dots = tl.dot(to_dot(kt, q.dtype), tl.trans(q))
+        dots = row_invariant_dot(to_dot(kt, q.dtype), tl.trans(q), IEEE=False)
     if FP8:
         ks = tl.load(ks_ptr + offs_n.to(tl.int64) * sks, mask=n_valid, other=0.0)
         dots = dots * ks[:, None]

@@ -241,6 +241,22 @@ def rounded_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def row_invariant_dot(a, b, IEEE: tl.constexpr):
+    """``a [M, K] @ b [K, N]`` in float32 (operands from :func:`to_dot`) such that
+    identical rows of ``a`` give bit-identical rows, as a GPU's MMA and FMA dots do
+    (each output summed over ``K`` in one order whatever its row). The interpreter's
+    float32 ``tl.dot`` (numpy's BLAS) does not: its edge rows take other kernels and
+    differ in the last bit. So there the dot runs in float64 and rounds once to float32:
+    a last-bit difference of float64 changes the float32 result only across a rounding
+    boundary (about 2**-29 of outputs). ``IEEE``: full-precision float32 on the GPU."""
+    if INTERPRETER:
+        return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def to_dot(x, dtype: tl.constexpr):
     """``x`` as a ``tl.dot`` operand of dtype ``dtype`` (from :func:`dot_dtype`). The
     interpreter's 16-bit dots are wrong, so there a 16-bit operand is rounded to
