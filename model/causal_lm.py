@@ -115,6 +115,10 @@ def _check_one_dtype(state: Mapping[str, torch.Tensor], weights: set[str]) -> No
     )
 
 
+# The LM head's and the input embedding's keys, one tensor when the config ties them.
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
 class GlmMoeDsaForCausalLM(nn.Module):
     """GLM-5 with its LM head (and MTP layers under ``model.layers``).
 
@@ -123,6 +127,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
     default dtype and on the default device; built on the meta device it holds shapes
     only and nothing is drawn. ``initialize=False`` leaves the routed experts and the
     routers uninitialised (``torch.empty``): for callers that fill every weight next.
+    With ``config.tie_word_embeddings`` the LM head's weight is the input embedding's
+    (one Parameter, both uses; checkpoints hold it once, as ``embed_tokens``).
     """
 
     def __init__(self, config: GlmMoeDsaConfig, *, initialize: bool = True) -> None:
@@ -130,8 +136,15 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.config = config
         self.model = GlmMoeDsaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
         if initialize and self.lm_head.weight.device.type != "meta":
             self.init_weights(seed=None)
+
+    def tie_weights(self) -> None:
+        """Make the LM head's weight the input embedding's Parameter when the config
+        ties them (again after anything that replaces either, e.g. an assigning load)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     # -- construction ----------------------------------------------------------------
 
@@ -167,6 +180,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
             return torch.randn(shape, generator=gen, device="cpu") * std
 
         for module in self.modules():
+            if module is self.lm_head and self.config.tie_word_embeddings:
+                continue  # the embedding's draw is its weight
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.copy_(normal(module.weight.shape))
                 if getattr(module, "bias", None) is not None:
@@ -238,7 +253,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
         """
         if not isinstance(state, Mapping):
             raise ConfigError(f"state must be a mapping of name -> tensor, got {type(state)}")
+        state = self._untied(state)
         own = self.state_dict()
+        if self.config.tie_word_embeddings:
+            del own[TIED_HEAD]  # the embedding's Parameter
         missing = sorted(set(own) - set(state))
         unexpected = sorted(map(str, set(state) - set(own)))
         if missing or unexpected:
@@ -252,7 +270,28 @@ class GlmMoeDsaForCausalLM(nn.Module):
         _check_one_dtype(
             state, {name for name, p in self.named_parameters() if p.is_floating_point()}
         )
-        self.load_state_dict(state, assign=True)
+        self.load_state_dict(state, assign=True, strict=not self.config.tie_word_embeddings)
+        self.tie_weights()
+
+    def _untied(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` without the tied LM head's key (the embedding holds that weight).
+        A checkpoint that carries it anyway must carry the embedding's values there: a
+        different head under ``tie_word_embeddings`` is a :class:`ConfigError`."""
+        state = dict(state)
+        if not self.config.tie_word_embeddings or TIED_HEAD not in state:
+            return state
+        head, embed = state.pop(TIED_HEAD), state.get(TIED_EMBEDDING)
+        same = (
+            isinstance(head, torch.Tensor)
+            and isinstance(embed, torch.Tensor)
+            and (head is embed or (head.shape == embed.shape and torch.equal(head, embed)))
+        )
+        if not same:
+            raise ConfigError(
+                f"tie_word_embeddings is true but the checkpoint's {TIED_HEAD} is not "
+                f"{TIED_EMBEDDING}: untie them in config.json or drop {TIED_HEAD}"
+            )
+        return state
 
     def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 << 30) -> None:
         """Write ``config.json`` and HF-named safetensors (per-expert keys), atomically.
@@ -268,7 +307,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
                 "save_pretrained writes float weights; this model holds packed quantised "
                 "weights (glmport.model.quantize): save the float model"
             )
-        state = split_experts(self.state_dict())
+        state = self.state_dict()
+        if self.config.tie_word_embeddings:
+            del state[TIED_HEAD]  # written once, as the embedding
+        state = split_experts(state)
         with atomic_folder(path) as tmp:
             self.config.to_json_file(tmp / "config.json")
             save_tensors(state, tmp, max_shard_bytes)

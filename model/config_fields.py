@@ -118,7 +118,7 @@ FIELD_RULES: dict[str, FieldRule] = {
         _kv_heads_match,
     ),
     "tie_word_embeddings": FieldRule(
-        REFUSED, "the LM head is its own weight, not the input embedding", _equals(False)
+        HONOURED, "the LM head's weight is the input embedding's (one tensor)"
     ),
     "attention_dropout": FieldRule(
         REFUSED, "attention has no dropout (transformers drops in training)", _equals(0)

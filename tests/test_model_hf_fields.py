@@ -13,8 +13,10 @@ import torch
 from test_model_hf import HF_TINY, VARIANT, _batch, _hf_model
 
 import glmport
+from glmport.core.errors import ConfigError
 from glmport.model import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from glmport.model.cache import PagedKVCache, forward_cached
+from glmport.model.causal_lm import TIED_EMBEDDING, TIED_HEAD
 from glmport.model.config_fields import (
     BOOKKEEPING,
     FIELD_RULES,
@@ -23,6 +25,7 @@ from glmport.model.config_fields import (
     indexer_types_of,
 )
 from glmport.model.generation import generate
+from glmport.model.weights import checkpoint_plan
 
 transformers = pytest.importorskip("transformers", minversion="5.18")
 
@@ -233,6 +236,42 @@ def test_every_other_field_changed_from_its_default_matches_transformers(kind, t
     assert _logits_gap(hf, ours) <= TOL
 
 
+@pytest.mark.parametrize("kind", ["glm", "dsv32"])
+def test_tied_word_embeddings_are_one_tensor_as_in_transformers(kind, tmp_path):
+    hf, ours = _saved(kind, tmp_path / "hf", tie_word_embeddings=True)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # transformers ties them too
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert _logits_gap(hf, ours) <= TOL
+    with torch.no_grad():  # one Parameter: a change to the embedding moves the logits
+        ours.model.embed_tokens.weight.mul_(2)
+    assert _logits_gap(hf, ours) > 1e-2
+    with torch.no_grad():
+        ours.model.embed_tokens.weight.div_(2)
+    ours.save_pretrained(tmp_path / "ours")  # written once, as transformers writes it
+    keys = {k for _, names in checkpoint_plan(tmp_path / "ours") for k in names}
+    assert TIED_EMBEDDING in keys and TIED_HEAD not in keys
+    again = GlmMoeDsaForCausalLM.from_pretrained(tmp_path / "ours")
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+    assert torch.equal(again.lm_head.weight, ours.lm_head.weight)
+    assert ours.num_parameters() == sum(p.numel() for p in hf.parameters()) - sum(
+        p.numel() for p in hf.model.layers[ours.config.num_hidden_layers :].parameters()
+    )
+
+
+def test_a_tied_checkpoint_whose_head_differs_from_its_embedding_is_refused():
+    config = GlmMoeDsaConfig.tiny(tie_word_embeddings=True)
+    model = GlmMoeDsaForCausalLM.from_config(config, seed=0)
+    state = dict(model.state_dict())
+    state[TIED_HEAD] = state[TIED_EMBEDDING] + 1
+    with pytest.raises(
+        ConfigError, match="tie_word_embeddings is true but the checkpoint's lm_head"
+    ):
+        model.load_hf_state_dict(state)
+    state[TIED_HEAD] = state[TIED_EMBEDDING].clone()  # the same values: accepted
+    model.load_hf_state_dict(state)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_expert_count_aliases_and_a_top_level_original_length_read_as_in_transformers():
     data = {
         **HF_TINY,
@@ -281,7 +320,6 @@ def test_yarn_cached_decode_and_generation_equal_the_full_forward(kind, tmp_path
 REFUSED_VALUES = {
     "hidden_act": "gelu",
     "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
     "attention_dropout": 0.1,
     "layer_types": ["full_attention"] * 3,
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
