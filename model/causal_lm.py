@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -115,6 +115,35 @@ def _check_one_dtype(state: Mapping[str, torch.Tensor], weights: set[str]) -> No
     )
 
 
+def _layer_slice(
+    config: GlmMoeDsaConfig, layers: range
+) -> tuple[Callable[[str], bool], Callable[[str], str]]:
+    """``(keep, rename)`` of checkpoint keys for decoder layers ``layers``: the layers'
+    own keys (renumbered from 0) and every key outside ``model.layers`` (embedding,
+    final norm, head); other layers and the MTP layers are not read."""
+    config.sliced(layers)  # the range checked before anything is read
+
+    def layer_of(key: str) -> int | None:
+        if not key.startswith(LAYER_PREFIX):
+            return None
+        head, _, _ = key[len(LAYER_PREFIX) :].partition(".")
+        return int(head) if head.isdigit() else None
+
+    def keep(key: str) -> bool:
+        index = layer_of(key)
+        return index is None or index in layers
+
+    def rename(key: str) -> str:
+        index = layer_of(key)
+        if index is None:
+            return key
+        rest = key[len(LAYER_PREFIX) + len(str(index)) :]
+        return f"{LAYER_PREFIX}{index - layers.start}{rest}"
+
+    return keep, rename
+
+
+LAYER_PREFIX = "model.layers."
 # The LM head's and the input embedding's keys, one tensor when the config ties them.
 TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -207,8 +236,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        layers: range | None = None,
     ) -> GlmMoeDsaForCausalLM:
         """Load a folder with ``config.json`` and HF safetensors (sharded or not).
+
+        ``layers`` (a contiguous range of decoder layers) builds the embedding, those
+        layers renumbered from 0 and the head, without MTP
+        (:meth:`GlmMoeDsaConfig.sliced`), reading only their tensors (memory-mapped,
+        shard by shard): peak memory follows the slice, not the checkpoint.
 
         The config is validated first, then every shard's header against the index
         (:func:`~glmport.model.weights.checkpoint_plan`), then every tensor
@@ -222,12 +257,16 @@ class GlmMoeDsaForCausalLM(nn.Module):
         path = Path(path)
         recover_folder(path)  # a save killed while replacing it left its old version aside
         config = GlmMoeDsaConfig.from_json_file(path / "config.json")
+        keep = None
+        if layers is not None:
+            keep, rename = _layer_slice(config, layers)
+            config = config.sliced(layers)
         state = fuse_experts(
             {
-                key: tensor.to(dtype)
+                (key if keep is None else rename(key)): tensor.to(dtype)
                 if dtype is not None and tensor.is_floating_point()
                 else tensor
-                for key, tensor in read_tensors(path)
+                for key, tensor in read_tensors(path, keep)
             }
         )
         mtp_prefix = f"model.layers.{config.num_hidden_layers}."

@@ -268,6 +268,36 @@ class GlmMoeDsaConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def sliced(self, layers: range) -> GlmMoeDsaConfig:
+        """The config of decoder layers ``layers`` (a contiguous ``range``, step 1) alone,
+        renumbered from 0, without MTP: each keeps its MLP kind (``mlp_layer_types``)
+        and its indexer kind. The first must run its own indexer: a shared (IndexCache)
+        layer whose full layer lies before the slice is a :class:`ConfigError` naming
+        that layer."""
+        n = self.num_hidden_layers
+        if not isinstance(layers, range) or layers.step != 1 or not layers:
+            raise ConfigError(f"layers must be a non-empty range of step 1, got {show(layers)}")
+        if layers.start < 0 or layers.stop > n:
+            raise ConfigError(
+                f"layers {layers.start}-{layers.stop - 1} lie outside the model's decoder "
+                f"layers 0-{n - 1}"
+            )
+        source = self.indexer_source(layers.start)
+        if source != layers.start:
+            raise ConfigError(
+                f"layers {layers.start}-{layers.stop - 1}: layer {layers.start} reuses layer "
+                f"{source}'s index selection (IndexCache's shared layers); start at layer "
+                f"{source} or before"
+            )
+        return dataclasses.replace(
+            self,
+            num_hidden_layers=len(layers),
+            mlp_layer_types=["sparse" if self.is_moe_layer(i) else "dense" for i in layers],
+            indexer_types=self.indexer_types[layers.start : layers.stop],
+            num_nextn_predict_layers=0,
+            extra=dict(self.extra),
+        )
+
     def indexer_source(self, index: int) -> int:
         """The layer whose indexer selects the keys layer ``index`` (decoder layers, then
         MTP layers) attends: itself when full (MTP layers always), else the nearest

@@ -13,7 +13,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -241,11 +241,17 @@ def checkpoint_plan(path: str | Path) -> list[tuple[Path, list[str]]]:
     raise _error(f"no {SINGLE_FILE} or {INDEX_FILE} in {given} (only safetensors are read)")
 
 
-def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a checkpoint folder, one at a time, after :func:`checkpoint_plan`
-    has checked every file's header and the index (shards opened one at a time)."""
+def read_tensors(
+    path: str | Path, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint folder (or those whose key ``keep`` accepts), one
+    at a time, after :func:`checkpoint_plan` has checked every file's header and the
+    index; shards are opened one at a time and memory-mapped, so a tensor not kept is
+    never read."""
     for file, keys in checkpoint_plan(path):
-        yield from _read_keys(file, file.name, keys)
+        wanted = keys if keep is None else [k for k in keys if keep(k)]
+        if wanted:
+            yield from _read_keys(file, file.name, wanted)
 
 
 def read_safetensors(file: Path, name: str) -> dict[str, torch.Tensor]:

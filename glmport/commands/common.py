@@ -97,9 +97,34 @@ def add_model(
     required: bool = True,
     default: str | None = None,
     help: str = "'tiny' (random, seed 0) or a checkpoint folder",
+    layers: bool = False,
 ) -> None:
-    """``--model``, loaded by :func:`load_model`."""
+    """``--model``, loaded by :func:`load_model`; with ``layers``, ``--layers`` too."""
     parser.add_argument("--model", required=required, default=default, help=help)
+    if layers:
+        parser.add_argument(
+            "--layers",
+            default=None,
+            help="load only these decoder layers of a checkpoint folder, e.g. 0-1 or 3 "
+            "(the embedding, these layers and the head, without MTP; only their tensors "
+            "are read)",
+        )
+
+
+def parse_layers(text: str | None, flag: str = "--layers") -> range | None:
+    """``"0-1"`` -> ``range(0, 2)``, ``"3"`` -> ``range(3, 4)``, None -> None."""
+    if text is None:
+        return None
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise ConfigError(
+            f"{flag} must be a layer or a range of layers such as 0-1, got {text!r}"
+        ) from None
+    if lo < 0 or hi < lo:
+        raise ConfigError(f"{flag} must name layers a-b with 0 <= a <= b, got {text!r}")
+    return range(lo, hi + 1)
 
 
 def add_backend(
@@ -209,18 +234,22 @@ def parse_ids(text: str, flag: str) -> list[int]:
         ) from None
 
 
-def load_model(spec: str, dtype: str = "fp32") -> GlmMoeDsaForCausalLM:
-    """``--model``: "tiny" (random, seed 0) or a checkpoint folder, in ``dtype``.
+def load_model(spec: str, dtype: str = "fp32", layers: str | None = None) -> GlmMoeDsaForCausalLM:
+    """``--model``: "tiny" (random, seed 0) or a checkpoint folder, in ``dtype``;
+    ``layers`` (``--layers``, a checkpoint folder only): a slice of its decoder layers.
     Commands call it as ``common.load_model`` so that tests can replace it here."""
     import torch
 
     from glmport.model import GlmMoeDsaForCausalLM
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    sliced = parse_layers(layers)
+    if spec == "tiny" and sliced is not None:
+        raise ConfigError("--layers slices a checkpoint folder; --model tiny has no file to read")
     if spec == "tiny":
         model = GlmMoeDsaForCausalLM.from_config("tiny", seed=0)
     elif Path(spec).is_dir():  # cast as read: a checkpoint of mixed dtypes loads as one
-        model = GlmMoeDsaForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+        model = GlmMoeDsaForCausalLM.from_pretrained(spec, dtype=torch_dtype, layers=sliced)
     else:
         raise ConfigError(
             f"--model must be 'tiny' or a checkpoint folder with config.json, got {spec!r}"

@@ -24,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--replay FILE judges a saved call on each backend against the float64 reference.",
     )
     common.add_model(
-        dif, required=False, default="tiny", help="'tiny' (random, seed 0) or a checkpoint dir"
+        dif,
+        required=False,
+        default="tiny",
+        help="'tiny' (random, seed 0) or a checkpoint dir",
+        layers=True,
     )
     dif.add_argument("--backends", default=None, help="A,B: the two backends to compare")
     common.add_dtype(dif)
@@ -87,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         if args.follow == names[1]:  # the followed backend runs first
             names.reverse()
     common.check_out(args.out, "--out")
-    model = common.load_model(args.model, args.dtype)
+    model = common.load_model(args.model, args.dtype, args.layers)
     vocab = model.config.vocab_size
     if args.input_ids is not None:
         ids = common.parse_ids(args.input_ids, "--input-ids")

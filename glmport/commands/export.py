@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     targets = exp.add_subparsers(dest="target", required=True)
     for target, out_help in (("onnx", "the .onnx file to write"), ("tvm", "folder to write")):
         t = targets.add_parser(target, help=f"export to {target.upper()}")
-        common.add_model(t)
+        common.add_model(t, layers=True)
         t.add_argument("--out", required=True, help=out_help)
         t.add_argument("--decode", action="store_true", help="the decode-step graph")
         common.add_dtype(t)
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     kind = "decode" if args.decode else "prefill"
     common.check_out(args.out, "--out", folder=args.target == "tvm")
     fixed = _fixed_axes(args, kind) if args.target == "tvm" else None
-    model = common.load_model(args.model, args.dtype)
+    model = common.load_model(args.model, args.dtype, args.layers)
     if fixed and "seq" in fixed:
         common.fits_model(model, "--seq", fixed["seq"])
     if fixed and "past" in fixed:

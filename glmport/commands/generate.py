@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Generate with the paged KV cache. Greedy by default; any of "
         "--temperature, --top-p, --top-k, --seed switches to sampling.",
     )
-    common.add_model(gen)
+    common.add_model(gen, layers=True)
     gen.add_argument("--input-ids", required=True, help="prompt token ids, e.g. 1,2,3")
     gen.add_argument(
         "--max-new-tokens", type=common.integer(0, common.MAX_TOKENS, "tokens"), required=True
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     common.check_environment()
     input_ids = common.parse_ids(args.input_ids, "--input-ids")
     stop_tokens = common.parse_ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens else []
-    model = common.load_model(args.model)
+    model = common.load_model(args.model, layers=args.layers)
     with common.select_backend(args.backend, "--backend"):
         result = generate(
             model,
