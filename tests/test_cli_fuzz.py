@@ -64,6 +64,7 @@ TEXT = {
     "--input-ids": _IDS,
     "--stop-tokens": ["x", "1,,2", "1e3", ","],
     "--model": _MODEL,
+    "--layers": ["", "x", "1-", "-1", "2-1", "0--1", "0-1"],  # tiny has no file to slice
     "--calib": ["/no/such/file", "{folder}"],
     "--replay": ["/no/such/file", "{file}"],
     "--context": ["bogus", "keep-recent:-1", "keep-recent:x", "hybrid:1", "discard-all:0"],
