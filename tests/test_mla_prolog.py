@@ -41,7 +41,8 @@ def _on_grid(a: torch.Tensor) -> torch.Tensor:
 def _formula(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps, *scales):
     """The op's docstring, in float64, written without glmport. With the three
     scales (W8A8): the int8 weights times their row scales, each projection's input on
-    its per-token int8 grid, ``q_norm`` put there in ``x``'s dtype and returned so."""
+    its per-token int8 grid, ``x @ w_dq.T`` and ``q_norm`` rounded to ``x``'s dtype
+    before ``q_norm`` is put there, and returned so."""
     dtype = x.dtype
     weights = (w_dq, w_uq, w_dkv)
     if scales and scales[0] is not None:
@@ -66,7 +67,10 @@ def _formula(x, w_dq, gamma_cq, w_uq, w_uk, w_dkv, gamma_ckv, cos, sin, eps, *sc
         return torch.stack((a * cc - b * ss, a * ss + b * cc), -1).flatten(-2)
 
     heads, nope, kv_lora = w_uk.shape
-    q_norm = norm(grid(x) @ w_dq.T, gamma_cq)
+    c_q = grid(x) @ w_dq.T
+    if grid is _on_grid:  # the roundings before the codes are taken, in x's dtype
+        c_q = c_q.to(dtype).double()
+    q_norm = norm(c_q, gamma_cq)
     if grid is _on_grid:
         q_norm = _on_grid(q_norm.to(dtype))
     q = (q_norm @ w_uq.T).reshape(x.shape[0], heads, -1)

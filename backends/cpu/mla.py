@@ -21,8 +21,7 @@ def _linear(
 ) -> torch.Tensor:
     """``a @ w.T`` accumulated in the compute dtype, rounded to ``dtype``. For a packed
     ``w`` (W8A8) ``quant_gemm`` quantises ``a`` as the contract names it, in ``x_dtype``,
-    in float64 mode too: its codes are a step function of ``a``, so quantising the
-    unrounded value would judge a correct kernel by where roundings cross a code."""
+    in float64 mode too (see :func:`mla_prolog`)."""
     if w_scale is not None:
         return quant_gemm(a.to(x_dtype), w, w_scale, "w8a8").to(dtype)
     return (a.to(acc_dtype()) @ w.to(acc_dtype()).T).to(dtype)
@@ -46,7 +45,11 @@ def mla_prolog(
     dtype = out_dtype(x.dtype)
     t = x.shape[0]
     heads, nope, kv_lora = w_uk.shape
-    q_norm = rms_norm(_linear(x, w_dq, w_dq_scale, dtype, x.dtype), gamma_cq, eps)
+    # W8A8 quantises q_norm, a step function of it: the roundings the contract names
+    # before that step (x @ w_dq.T, q_norm) are taken in float64 mode too, so the codes
+    # are a correct kernel's, not where unrounded values would cross a code edge.
+    before_codes = x.dtype if w_uq_scale is not None else dtype
+    q_norm = rms_norm(_linear(x, w_dq, w_dq_scale, before_codes, x.dtype), gamma_cq, eps)
     if w_uq_scale is not None:  # as the W8A8 up-projection reads it (product exact)
         codes, scale = quantize_tensor(q_norm.to(x.dtype), "int8_row", q_norm.shape[1])
         q_norm = (codes.to(acc_dtype()) * scale.to(acc_dtype())[:, None]).to(dtype)

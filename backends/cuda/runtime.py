@@ -246,11 +246,15 @@ def row_invariant_dot(a, b, IEEE: tl.constexpr):
     identical rows of ``a`` give bit-identical rows, as a GPU's MMA and FMA dots do
     (each output summed over ``K`` in one order whatever its row). The interpreter's
     float32 ``tl.dot`` (numpy's BLAS) does not: its edge rows take other kernels and
-    differ in the last bit. So there the dot runs in float64 and rounds once to float32:
-    a last-bit difference of float64 changes the float32 result only across a rounding
-    boundary (about 2**-29 of outputs). ``IEEE``: full-precision float32 on the GPU."""
+    differ in the last bit. So there the dot runs in float64 and rounds once to float32
+    (a last-bit difference of float64 changes the float32 result only across a rounding
+    boundary, about 2**-29 of outputs), except where the float32 dot overflows: a GPU's
+    float32 accumulator overflows there too (to inf, or NaN from +inf and -inf), which
+    float64 would hide. ``IEEE``: full-precision float32 on the GPU."""
     if INTERPRETER:
-        return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        exact = tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        plain = tl.dot(a, b)
+        return tl.where((plain == plain) & (tl.abs(plain) < float("inf")), exact, plain)
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
