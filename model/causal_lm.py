@@ -115,13 +115,11 @@ def _check_one_dtype(state: Mapping[str, torch.Tensor], weights: set[str]) -> No
     )
 
 
-def _layer_slice(
-    config: GlmMoeDsaConfig, layers: range
-) -> tuple[Callable[[str], bool], Callable[[str], str]]:
-    """``(keep, rename)`` of checkpoint keys for decoder layers ``layers``: the layers'
-    own keys (renumbered from 0) and every key outside ``model.layers`` (embedding,
-    final norm, head); other layers and the MTP layers are not read."""
-    config.sliced(layers)  # the range checked before anything is read
+def _layer_slice(layers: range) -> tuple[Callable[[str], bool], Callable[[str], str]]:
+    """``(keep, rename)`` of checkpoint keys for decoder layers ``layers`` (a range
+    :meth:`GlmMoeDsaConfig.sliced` accepted): the layers' own keys (renumbered from 0)
+    and every key outside ``model.layers`` (embedding, final norm, head); other layers
+    and the MTP layers are not read."""
 
     def layer_of(key: str) -> int | None:
         if not key.startswith(LAYER_PREFIX):
@@ -259,8 +257,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         config = GlmMoeDsaConfig.from_json_file(path / "config.json")
         keep = None
         if layers is not None:
-            keep, rename = _layer_slice(config, layers)
-            config = config.sliced(layers)
+            config = config.sliced(layers)  # the range checked before anything is read
+            keep, rename = _layer_slice(layers)
         state = fuse_experts(
             {
                 (key if keep is None else rename(key)): tensor.to(dtype)
@@ -293,9 +291,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         if not isinstance(state, Mapping):
             raise ConfigError(f"state must be a mapping of name -> tensor, got {type(state)}")
         state = self._untied(state)
-        own = self.state_dict()
-        if self.config.tie_word_embeddings:
-            del own[TIED_HEAD]  # the embedding's Parameter
+        own = self._stored_state()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(map(str, set(state) - set(own)))
         if missing or unexpected:
@@ -311,6 +307,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
         )
         self.load_state_dict(state, assign=True, strict=not self.config.tie_word_embeddings)
         self.tie_weights()
+
+    def _stored_state(self) -> dict[str, torch.Tensor]:
+        """The state a checkpoint holds: ``state_dict()`` without a tied LM head's key
+        (the embedding's Parameter, stored once)."""
+        state = self.state_dict()
+        if self.config.tie_word_embeddings:
+            del state[TIED_HEAD]
+        return state
 
     def _untied(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` without the tied LM head's key (the embedding holds that weight).
@@ -346,10 +350,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
                 "save_pretrained writes float weights; this model holds packed quantised "
                 "weights (glmport.model.quantize): save the float model"
             )
-        state = self.state_dict()
-        if self.config.tie_word_embeddings:
-            del state[TIED_HEAD]  # written once, as the embedding
-        state = split_experts(state)
+        state = split_experts(self._stored_state())
         with atomic_folder(path) as tmp:
             self.config.to_json_file(tmp / "config.json")
             save_tensors(state, tmp, max_shard_bytes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from glmport.core.formats import quantize_tensor
+from glmport.core.formats import dequantize, quantize_tensor
 
 from .norm_rope import rms_norm, rope
 from .precision import acc_dtype, out_dtype
@@ -51,8 +51,9 @@ def mla_prolog(
     before_codes = x.dtype if w_uq_scale is not None else dtype
     q_norm = rms_norm(_linear(x, w_dq, w_dq_scale, before_codes, x.dtype), gamma_cq, eps)
     if w_uq_scale is not None:  # as the W8A8 up-projection reads it (product exact)
-        codes, scale = quantize_tensor(q_norm.to(x.dtype), "int8_row", q_norm.shape[1])
-        q_norm = (codes.to(acc_dtype()) * scale.to(acc_dtype())[:, None]).to(dtype)
+        cols = q_norm.shape[1]
+        codes, scale = quantize_tensor(q_norm.to(x.dtype), "int8_row", cols)
+        q_norm = dequantize(codes, scale, "int8_row", cols, dtype=acc_dtype()).to(dtype)
     q = _linear(q_norm, w_uq, w_uq_scale, dtype, x.dtype).view(t, heads, w_uq.shape[0] // heads)
     q_latent = torch.einsum("thn,hnc->thc", q[..., :nope].to(acc_dtype()), w_uk.to(acc_dtype()))
     kv = _linear(x, w_dkv, w_dkv_scale, dtype, x.dtype)
