@@ -58,7 +58,7 @@ def mla_prolog(
     q_latent = torch.einsum("thn,hnc->thc", q[..., :nope].to(acc_dtype()), w_uk.to(acc_dtype()))
     kv = _linear(x, w_dkv, w_dkv_scale, dtype, x.dtype)
     return (
-        q_latent.to(dtype),
+        q_latent.to(dtype).contiguous(),  # einsum leaves it head-major in memory
         rope(q[..., nope:], cos, sin, True),
         q_norm,
         rms_norm(kv[:, :kv_lora], gamma_ckv, eps),
